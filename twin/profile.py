@@ -1,0 +1,336 @@
+"""Hardware/model profiles: everything the twin knows about one (model, GPU, vLLM version).
+
+A profile is a YAML file (bundled ones live in ``configs/profiles/``).  Every number in it is
+either a model dimension (from the model's ``config.json``) or a constant fitted on real
+measurements by ``lora-opt calibrate``; the ``fit`` section records which data and command.
+
+The estimators defined here are the only place where time and memory are computed:
+
+* :meth:`Profile.kv_capacity_tokens` -- vLLM's start-up memory accounting (§2 of the reference).
+* :meth:`LatencySpec.model_ms`      -- forward-pass time of one engine step.
+* :meth:`LatencySpec.scheduler_ms`  -- CPU time of ``schedule()`` for one step.
+* :meth:`LoadingSpec.cpu_to_gpu_ms` / :meth:`LoadingSpec.disk_to_cpu_ms` -- adapter loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from twin.errors import ScenarioError
+from twin.paths import PROFILES_DIR
+
+GIB = 1024**3
+MIB = 1024**2
+
+#: ``--max-lora-rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+#: Which requests define the "LoRA set" the scheduler's gate compares with ``max_loras``.
+#: 0.8.5 used the adapters of requests *scheduled* in this step; 0.33 uses all *running* requests.
+LORA_SET_RULES = ("scheduled", "running")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Model dimensions, as in the model's ``config.json``."""
+
+    name: str
+    """Hugging Face id of the base model."""
+    hidden_size: int
+    """h: hidden size."""
+    intermediate_size: int
+    """I: MLP intermediate size."""
+    num_layers: int
+    """L: decoder layers."""
+    num_heads: int
+    """Attention heads (q = num_heads * head_dim)."""
+    num_kv_heads: int
+    """KV heads (GQA)."""
+    head_dim: int
+    """Per-head dimension."""
+    vocab_size: int
+    """V: vocabulary size."""
+    max_model_len: int
+    """Default ``--max-model-len`` (the model's context); start-up needs KV for one such request."""
+    dtype_bytes: int = 2
+    """Bytes per weight/KV element (bf16 = 2)."""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for every layer: 2 * L * kv_heads * head_dim * bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def lora_elements_per_rank(self) -> int:
+        """Elements of one LoRA slot per unit of rank, default target modules, TP=1.
+
+        ``L*(7h + 2q + 2kv + 3I) + 2V + 2h`` (reference §2.2: qkv, o, gate_up, down in every
+        layer plus embed_tokens and lm_head).
+        """
+        h, inter = self.hidden_size, self.intermediate_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.num_layers * (7 * h + 2 * q + 2 * kv + 3 * inter) + 2 * self.vocab_size + 2 * h
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """vLLM's start-up memory accounting for one GPU."""
+
+    gpu_memory_gib: float
+    """Total device memory as vLLM sees it (the papers' H100 reports 63.43 GiB)."""
+    weights_gib: float
+    """Base model weights in GPU memory."""
+    non_kv_overhead_gib: float
+    """Activation peak of the profiling run + non-torch memory (+ CUDA graphs where the version
+    subtracts them), at ``max_num_batched_tokens = 2048``."""
+    overhead_gib_per_1k_batched_tokens: float = 0.0
+    """Growth of the activation peak per 1000 tokens of ``max_num_batched_tokens`` above 2048."""
+    slot_fixed_mib: float = 0.0
+    """Bytes per LoRA slot that do not scale with rank (0.8.5: extra-vocab rows and a residual)."""
+    slot_rank_scale: float = 1.0
+    """Multiplier on the code-derived per-rank slot size (1.0 = exactly vLLM's buffer shapes)."""
+    block_size: int = 16
+    """KV block size in tokens."""
+
+
+@dataclass(frozen=True)
+class LoraOverheadSpec:
+    """Multiplicative cost of LoRA kernels on the forward pass.
+
+    ``factor(n) = 1 + jump + slope * n / (1 + n / n_sat)`` for n >= 1 distinct adapters in the
+    batch, 1 for n = 0.  ``n_sat = inf`` gives the papers' linear model.
+    """
+
+    jump: float
+    """Relative extra cost of the first adapter (measured ~1.0: 17.1 ms -> 35.4 ms)."""
+    slope: float
+    """Relative extra cost per further distinct adapter, at small n."""
+    n_sat: float = math.inf
+    """Saturation scale of the per-adapter cost (the measured curve flattens beyond ~128)."""
+
+    def factor(self, n_adapters: int) -> float:
+        if n_adapters <= 0:
+            return 1.0
+        return 1.0 + self.jump + self.slope * n_adapters / (1.0 + n_adapters / self.n_sat)
+
+
+@dataclass(frozen=True)
+class LatencySpec:
+    """Step-time estimators (milliseconds)."""
+
+    base_ms: float
+    """Fixed cost of a forward pass."""
+    per_seq_ms: float
+    """Cost per sequence in the step (a decode is one sequence with one token)."""
+    per_token_ms: float
+    """Cost per token beyond one per sequence (prefill chunks)."""
+    per_ctx_ktoken_ms: float = 0.0
+    """Attention cost per 1000 tokens of context (KV already computed) of scheduled sequences."""
+    lora: dict[int, LoraOverheadSpec] = field(default_factory=dict)
+    """LoRA overhead by ``max_lora_rank``; the nearest rank is used when one is missing."""
+    sched_base_ms: float = 0.0
+    """Scheduler CPU time per step."""
+    sched_per_running_ms: float = 0.0
+    """Scheduler time per running request."""
+    sched_per_waiting_ms: float = 0.0
+    """Scheduler time per waiting request (bounded scan; capped at ``sched_waiting_cap``)."""
+    sched_waiting_cap: int = 1_000_000
+    """Waiting requests beyond this add no scheduler time."""
+
+    def lora_for_rank(self, max_lora_rank: int) -> LoraOverheadSpec:
+        if not self.lora:
+            return LoraOverheadSpec(0.0, 0.0)
+        best = min(self.lora, key=lambda r: (abs(r - max_lora_rank), r))
+        return self.lora[best]
+
+    def model_ms(self, n_seqs: int, n_tokens: int, ctx_tokens: int, n_adapters: int,
+                 max_lora_rank: int) -> float:
+        base = (self.base_ms + self.per_seq_ms * n_seqs + self.per_token_ms * (n_tokens - n_seqs)
+                + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0)
+        return base * self.lora_for_rank(max_lora_rank).factor(n_adapters)
+
+    def scheduler_ms(self, n_running: int, n_waiting: int) -> float:
+        return (self.sched_base_ms + self.sched_per_running_ms * n_running
+                + self.sched_per_waiting_ms * min(n_waiting, self.sched_waiting_cap))
+
+
+@dataclass(frozen=True)
+class LoadingSpec:
+    """Adapter load costs by adapter rank (ms); linear interpolation between listed ranks."""
+
+    cpu_to_gpu_ms: dict[int, float]
+    """Activation: host-to-device copy into a GPU slot."""
+    disk_to_cpu_ms: dict[int, float]
+    """Reading the checkpoint from disk into the CPU cache."""
+
+    @staticmethod
+    def _interp(table: dict[int, float], rank: int) -> float:
+        ranks = sorted(table)
+        if rank <= ranks[0]:
+            return table[ranks[0]] * (rank / ranks[0] if len(ranks) > 1 and rank < ranks[0] else 1.0)
+        if rank >= ranks[-1]:
+            if len(ranks) == 1:
+                return table[ranks[-1]]
+            r0, r1 = ranks[-2], ranks[-1]
+            return table[r1] + (table[r1] - table[r0]) / (r1 - r0) * (rank - r1)
+        for r0, r1 in zip(ranks, ranks[1:]):
+            if r0 <= rank <= r1:
+                return table[r0] + (table[r1] - table[r0]) * (rank - r0) / (r1 - r0)
+        raise AssertionError("unreachable")
+
+    def cpu_ms(self, rank: int) -> float:
+        return self._interp(self.cpu_to_gpu_ms, rank)
+
+    def disk_ms(self, rank: int) -> float:
+        return self._interp(self.disk_to_cpu_ms, rank)
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """Defaults of the vLLM version/GPU the profile describes, used where a scenario is silent."""
+
+    max_loras: int = 1
+    """``--max-loras`` default."""
+    max_lora_rank: int = 16
+    """``--max-lora-rank`` default."""
+    max_num_seqs: int = 256
+    """``--max-num-seqs`` default for the OpenAI server on this GPU."""
+    max_num_batched_tokens: int = 2048
+    """``--max-num-batched-tokens`` default for the OpenAI server on this GPU."""
+    gpu_memory_utilization: float = 0.9
+    """``--gpu-memory-utilization`` default (0.9 in 0.8.5, 0.92 in 0.33)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One (model, GPU, vLLM version)."""
+
+    name: str
+    """Profile name (bundled profiles are referred to by it)."""
+    vllm_version: str
+    """vLLM version whose behaviour the engine follows."""
+    lora_set_rule: str
+    """``scheduled`` (0.8.5) or ``running`` (0.33): which requests define the LoRA gate's set."""
+    reserve_full_prompt: bool
+    """Admission needs KV blocks for the whole prompt (0.33 ``scheduler_reserve_full_isl``) or
+    only for the first chunk (0.8.5)."""
+    model: ModelSpec
+    memory: MemorySpec
+    latency: LatencySpec
+    loading: LoadingSpec
+    defaults: EngineDefaults = EngineDefaults()
+    fit: dict[str, Any] = field(default_factory=dict)
+    """Provenance: data files, command, date, goodness of fit."""
+    source: str = ""
+    """Where the profile was loaded from."""
+
+    # ---- memory -------------------------------------------------------------------------------
+    def slot_bytes(self, max_lora_rank: int) -> float:
+        """GPU bytes of one LoRA slot, padded to ``max_lora_rank``."""
+        m = self.memory
+        per_rank = self.model.lora_elements_per_rank * self.model.dtype_bytes * m.slot_rank_scale
+        return per_rank * max_lora_rank + m.slot_fixed_mib * MIB
+
+    def non_kv_bytes(self, max_num_batched_tokens: int) -> float:
+        m = self.memory
+        extra = m.overhead_gib_per_1k_batched_tokens * (max_num_batched_tokens - 2048) / 1000.0
+        return (m.weights_gib + m.non_kv_overhead_gib + extra) * GIB
+
+    def kv_capacity_tokens(self, max_loras: int, max_lora_rank: int, gpu_memory_utilization: float,
+                           max_num_batched_tokens: int, enable_lora: bool = True) -> int:
+        """KV-cache tokens vLLM allocates at start-up (a multiple of the block size; <= 0 = OOM)."""
+        budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
+        used = self.non_kv_bytes(max_num_batched_tokens)
+        if enable_lora:
+            used += max_loras * self.slot_bytes(max_lora_rank)
+        avail = budget - used
+        block_bytes = self.memory.block_size * self.model.kv_bytes_per_token
+        blocks = math.floor(avail / block_bytes)
+        return blocks * self.memory.block_size
+
+    def startup_check(self, max_loras: int, max_lora_rank: int, gpu_memory_utilization: float,
+                      max_num_batched_tokens: int, max_model_len: int | None = None) -> tuple[bool, int, str]:
+        """(starts, kv_tokens, reason). vLLM refuses to start when the LoRA buffers do not fit
+        or the KV cache cannot hold one ``max_model_len`` request."""
+        mml = max_model_len or self.model.max_model_len
+        kv = self.kv_capacity_tokens(max_loras, max_lora_rank, gpu_memory_utilization,
+                                     max_num_batched_tokens)
+        budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
+        weights_and_slots = self.memory.weights_gib * GIB + max_loras * self.slot_bytes(max_lora_rank)
+        if weights_and_slots > budget:
+            return False, max(kv, 0), "LoRA slots do not fit: CUDA OOM while loading the model"
+        if kv < mml:
+            return False, max(kv, 0), (f"KV cache holds {max(kv, 0)} tokens < max_model_len {mml}: "
+                                       "vLLM refuses to start")
+        return True, kv, ""
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def _build(cls, data: dict, where: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ScenarioError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+
+
+def profile_from_dict(d: dict, source: str = "") -> Profile:
+    d = dict(d)
+    where = f"profile {source or d.get('name', '?')}"
+    for key in ("name", "vllm_version", "lora_set_rule", "model", "memory", "latency", "loading"):
+        if key not in d:
+            raise ScenarioError(f"{where}: missing field '{key}'")
+    if d["lora_set_rule"] not in LORA_SET_RULES:
+        raise ScenarioError(f"{where}.lora_set_rule: {d['lora_set_rule']!r} not in {LORA_SET_RULES}")
+    lat = dict(d["latency"])
+    lat["lora"] = {int(r): _build(LoraOverheadSpec, v, f"{where}.latency.lora.{r}")
+                   for r, v in (lat.get("lora") or {}).items()}
+    load = {k: {int(r): float(v) for r, v in tab.items()} for k, tab in d["loading"].items()}
+    return Profile(
+        name=d["name"], vllm_version=str(d["vllm_version"]), lora_set_rule=d["lora_set_rule"],
+        reserve_full_prompt=bool(d.get("reserve_full_prompt", True)),
+        model=_build(ModelSpec, d["model"], f"{where}.model"),
+        memory=_build(MemorySpec, d["memory"], f"{where}.memory"),
+        latency=_build(LatencySpec, lat, f"{where}.latency"),
+        loading=_build(LoadingSpec, load, f"{where}.loading"),
+        defaults=_build(EngineDefaults, d.get("defaults") or {}, f"{where}.defaults"),
+        fit=d.get("fit") or {}, source=source,
+    )
+
+
+def profile_to_dict(p: Profile) -> dict:
+    out = dataclasses.asdict(p)
+    out.pop("source", None)
+    out["latency"]["lora"] = {int(r): dataclasses.asdict(v) for r, v in p.latency.lora.items()}
+    return out
+
+
+def bundled_profiles() -> list[str]:
+    return sorted(f.stem for f in PROFILES_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A bundled profile by name, or a profile YAML by path."""
+    p = Path(name_or_path)
+    if p.suffix.lower() not in (".yaml", ".yml", ".json") and "/" not in str(name_or_path):
+        cand = PROFILES_DIR / f"{name_or_path}.yaml"
+        if not cand.exists():
+            raise ScenarioError(f"profile: unknown profile {str(name_or_path)!r}; bundled profiles: "
+                                f"{bundled_profiles()} (or give a path to a profile YAML)")
+        p = cand
+    if not p.exists():
+        raise ScenarioError(f"profile: file not found: {p}")
+    with open(p) as fh:
+        data = yaml.safe_load(fh)
+    if not isinstance(data, dict):
+        raise ScenarioError(f"profile {p}: not a mapping")
+    return profile_from_dict(data, str(p))
