@@ -1,0 +1,442 @@
+"""The engine loop: one vLLM instance serving many LoRA adapters, one scheduler step at a time.
+
+This is the whole simulator core.  It is compiled with Numba (``cache=True``) because a simulated
+hour is 10^4..10^5 steps over up to thousands of requests; everything in it works on flat arrays.
+
+One iteration of the loop = one vLLM engine step (V1 scheduler, reference §3.1):
+
+1. arrivals with ``arrival <= now`` join the tail of WAITING;
+2. RUNNING loop in admission order: each request asks for ``prompt + generated - computed``
+   tokens (1 for a decode, the rest of the prompt for a prefill chunk), capped by the step's token
+   budget; when its KV blocks cannot be allocated, the most recently admitted running request is
+   recompute-preempted to the head of WAITING, until the allocation fits or the victim is the
+   request itself (then the loop stops);
+3. the LoRA set: adapters of the requests scheduled so far (0.8.5) or of every running request
+   (0.33);
+4. WAITING loop (only when nothing was preempted): FCFS; a request whose adapter is outside a full
+   LoRA set is skipped (vLLM ``continue``s, it does not block); admission stops at the first
+   request whose prompt does not fit in free KV blocks, at ``max_num_seqs`` running, or when the
+   token budget is spent;
+5. adapters of the batch are made resident: GPU slots are a cache of ``max_loras`` over a CPU
+   cache of ``max_cpu_loras`` over disk; misses are charged at step start;
+6. step time = scheduler time + load time + model time (profile estimators); every scheduled
+   request advances, those that completed their prompt+generated tokens sample one token, those
+   with all output tokens finish and free their blocks.
+
+Skipping blocked requests without scanning them (waiting queues of 10^4 under starvation) uses two
+linked lists over the same requests: the global FCFS order, and one FIFO per adapter.  When the
+LoRA set is full, the next admissible request is the earliest head among the set's adapters.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# Adapter-cache eviction policies understood by the kernel (see twin.adapter_cache).
+POLICY_LRU = 0
+POLICY_FIFO = 1
+
+LORA_SET_SCHEDULED = 0
+LORA_SET_RUNNING = 1
+
+_NONE = -1
+
+
+@njit(cache=True)
+def _grow(arr, n):
+    """``arr`` with room for index ``n`` (doubling)."""
+    if n < arr.shape[0]:
+        return arr
+    new = np.empty(max(16, arr.shape[0] * 2), dtype=arr.dtype)
+    new[: arr.shape[0]] = arr
+    return new
+
+
+@njit(cache=True)
+def _evict(resident, stamp, n_adapters):
+    """Index of the resident adapter with the smallest stamp (LRU: last use; FIFO: load time)."""
+    best = -1
+    best_stamp = np.int64(2**62)
+    for a in range(n_adapters):
+        if resident[a] and stamp[a] < best_stamp:
+            best_stamp = stamp[a]
+            best = a
+    return best
+
+
+@njit(cache=True)
+def run_engine(
+    # requests, sorted by arrival
+    arrival, in_len, out_len, req_adapter,
+    # adapters
+    cpu_load_ms, disk_load_ms, gpu_resident0, cpu_resident0, gpu_stamp0, cpu_stamp0,
+    # engine configuration
+    max_loras, max_cpu_loras, max_num_seqs, max_num_batched_tokens, kv_blocks, block_size,
+    lora_set_rule, reserve_full_prompt, cache_policy, duration,
+    # latency estimators (ms)
+    base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms,
+    lora_jump, lora_slope, lora_nsat,
+    sched_base_ms, sched_per_running_ms, sched_per_waiting_ms, sched_waiting_cap,
+    # early stop of certain starvation (disabled when stop_target <= 0)
+    stop_target, stop_cap_tok_s, stop_token_factor, kv_tokens,
+    # time series
+    ts_interval,
+):
+    n_req = arrival.shape[0]
+    n_ad = cpu_load_ms.shape[0]
+
+    # per-request state
+    computed = np.zeros(n_req, np.int64)      # tokens whose KV is computed
+    generated = np.zeros(n_req, np.int64)     # output tokens sampled so far
+    held = np.zeros(n_req, np.int64)          # KV blocks held
+    first_t = np.full(n_req, np.nan)
+    last_t = np.full(n_req, np.nan)
+    finish_t = np.full(n_req, np.nan)
+    sched_tok = np.zeros(n_req, np.int64)     # tokens scheduled in the current step
+    n_preempt_req = np.zeros(n_req, np.int32)
+
+    # waiting: global FCFS doubly linked list + one FIFO per adapter, ordered by key
+    gnext = np.full(n_req, _NONE, np.int64)
+    gprev = np.full(n_req, _NONE, np.int64)
+    anext = np.full(n_req, _NONE, np.int64)
+    aprev = np.full(n_req, _NONE, np.int64)
+    key = np.zeros(n_req, np.int64)
+    ahead = np.full(n_ad, _NONE, np.int64)
+    atail = np.full(n_ad, _NONE, np.int64)
+    ghead = _NONE
+    gtail = _NONE
+    n_waiting = 0
+    tail_key = np.int64(0)
+    head_key = np.int64(-1)
+
+    running = np.empty(n_req, np.int64)       # admission order
+    n_running = 0
+    batch = np.empty(n_req, np.int64)         # requests scheduled in this step
+    # LoRA set of this step, as stamps (set_stamp[a] == step) plus a list
+    set_stamp = np.full(n_ad, -1, np.int64)
+    set_list = np.empty(n_ad, np.int64)
+    batch_stamp = np.full(n_ad, -1, np.int64)
+
+    # adapter residency
+    gpu_res = gpu_resident0.copy()
+    cpu_res = cpu_resident0.copy()
+    gpu_stamp = gpu_stamp0.copy()
+    cpu_stamp = cpu_stamp0.copy()
+    n_gpu = 0
+    n_cpu = 0
+    for a in range(n_ad):
+        n_gpu += gpu_res[a]
+        n_cpu += cpu_res[a]
+    clock = np.int64(0)
+    for a in range(n_ad):
+        clock = max(clock, gpu_stamp[a], cpu_stamp[a])
+
+    free_blocks = kv_blocks
+    t = 0.0
+    next_arr = 0
+    step = np.int64(0)
+    preemptions = 0
+    loads_cpu = 0
+    loads_disk = 0
+    completed_tokens = 0
+    stopped_at = -1.0
+    running_area = 0.0
+    waiting_area = 0.0
+
+    # ITL samples: regular gaps are whole steps (duration, count); irregular ones listed
+    step_dur = np.empty(1024, np.float64)
+    step_cnt = np.empty(1024, np.int64)
+    n_steps_rec = 0
+    irr = np.empty(256, np.float64)
+    n_irr = 0
+
+    n_ts = int(duration / ts_interval) + 1
+    ts_running = np.zeros(n_ts, np.int64)
+    ts_waiting = np.zeros(n_ts, np.int64)
+    ts_kv = np.zeros(n_ts, np.int64)
+    ts_loaded = np.zeros(n_ts, np.int64)
+    ts_next = 0
+
+    while True:
+        # ---- arrivals -----------------------------------------------------------------
+        while next_arr < n_req and arrival[next_arr] <= t:
+            r = next_arr
+            a = req_adapter[r]
+            key[r] = tail_key
+            tail_key += 1
+            gprev[r] = gtail
+            gnext[r] = _NONE
+            if gtail != _NONE:
+                gnext[gtail] = r
+            else:
+                ghead = r
+            gtail = r
+            aprev[r] = atail[a]
+            anext[r] = _NONE
+            if atail[a] != _NONE:
+                anext[atail[a]] = r
+            else:
+                ahead[a] = r
+            atail[a] = r
+            n_waiting += 1
+            next_arr += 1
+
+        # ---- time series (state at the start of the step) -------------------------------
+        while ts_next < n_ts and ts_next * ts_interval <= t:
+            ts_running[ts_next] = n_running
+            ts_waiting[ts_next] = n_waiting
+            ts_kv[ts_next] = kv_blocks - free_blocks
+            ts_loaded[ts_next] = n_gpu
+            ts_next += 1
+
+        if t >= duration:
+            break
+        if n_running == 0 and n_waiting == 0:
+            if next_arr >= n_req:
+                break
+            t = arrival[next_arr]          # idle: jump to the next arrival
+            continue
+
+        # ---- early stop of certain starvation ---------------------------------------------
+        if stop_target > 0.0 and (step & 1023) == 0:
+            bound = completed_tokens + stop_token_factor * (kv_tokens + stop_cap_tok_s * (duration - t))
+            if bound < stop_target:
+                stopped_at = t
+                break
+
+        step += 1
+        budget = max_num_batched_tokens
+        n_batch = 0
+        n_set = 0
+        preempted = False
+        n_tokens = 0
+        ctx = 0
+
+        # ---- RUNNING loop ---------------------------------------------------------------
+        i = 0
+        while i < n_running and budget > 0:
+            r = running[i]
+            a = req_adapter[r]
+            if (lora_set_rule == LORA_SET_SCHEDULED and set_stamp[a] != step
+                    and n_set >= max_loras):
+                # 0.8.5 would hand the worker more adapters than slots and crash; keep the
+                # request running but unscheduled this step (only reachable when the token
+                # budget is shared by more running requests than it can serve).
+                i += 1
+                continue
+            num_new = in_len[r] + generated[r] - computed[r]
+            if num_new > budget:
+                num_new = budget
+            need = (computed[r] + num_new + block_size - 1) // block_size - held[r]
+            scheduled = True
+            while need > free_blocks:
+                victim = running[n_running - 1]
+                n_running -= 1
+                free_blocks += held[victim]
+                held[victim] = 0
+                computed[victim] = 0
+                n_preempt_req[victim] += 1
+                preemptions += 1
+                preempted = True
+                va = req_adapter[victim]
+                key[victim] = head_key
+                head_key -= 1
+                gnext[victim] = ghead
+                gprev[victim] = _NONE
+                if ghead != _NONE:
+                    gprev[ghead] = victim
+                else:
+                    gtail = victim
+                ghead = victim
+                aprev[victim] = _NONE
+                anext[victim] = ahead[va]
+                if ahead[va] != _NONE:
+                    aprev[ahead[va]] = victim
+                else:
+                    atail[va] = victim
+                ahead[va] = victim
+                n_waiting += 1
+                if victim == r:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            free_blocks -= need
+            held[r] += need
+            sched_tok[r] = num_new
+            ctx += computed[r]
+            n_tokens += num_new
+            budget -= num_new
+            batch[n_batch] = r
+            n_batch += 1
+            if set_stamp[a] != step:
+                set_stamp[a] = step
+                set_list[n_set] = a
+                n_set += 1
+            i += 1
+
+        if lora_set_rule == LORA_SET_RUNNING:
+            for j in range(n_running):
+                a = req_adapter[running[j]]
+                if set_stamp[a] != step:
+                    set_stamp[a] = step
+                    set_list[n_set] = a
+                    n_set += 1
+
+        # ---- WAITING loop ---------------------------------------------------------------
+        if not preempted:
+            while budget > 0 and n_running < max_num_seqs and n_waiting > 0:
+                if n_set < max_loras:
+                    r = ghead
+                else:
+                    r = _NONE
+                    best = np.int64(2**62)
+                    for j in range(n_set):
+                        h = ahead[set_list[j]]
+                        if h != _NONE and key[h] < best:
+                            best = key[h]
+                            r = h
+                    if r == _NONE:
+                        break
+                a = req_adapter[r]
+                total = in_len[r] + generated[r]
+                num_new = total if total < budget else budget
+                reserve = total if reserve_full_prompt else num_new
+                need = (reserve + block_size - 1) // block_size
+                if need > free_blocks:
+                    break
+                # unlink from both waiting lists
+                if gprev[r] != _NONE:
+                    gnext[gprev[r]] = gnext[r]
+                else:
+                    ghead = gnext[r]
+                if gnext[r] != _NONE:
+                    gprev[gnext[r]] = gprev[r]
+                else:
+                    gtail = gprev[r]
+                if aprev[r] != _NONE:
+                    anext[aprev[r]] = anext[r]
+                else:
+                    ahead[a] = anext[r]
+                if anext[r] != _NONE:
+                    aprev[anext[r]] = aprev[r]
+                else:
+                    atail[a] = aprev[r]
+                n_waiting -= 1
+                alloc = (num_new + block_size - 1) // block_size
+                free_blocks -= alloc
+                held[r] = alloc
+                running[n_running] = r
+                n_running += 1
+                sched_tok[r] = num_new
+                n_tokens += num_new
+                budget -= num_new
+                batch[n_batch] = r
+                n_batch += 1
+                if set_stamp[a] != step:
+                    set_stamp[a] = step
+                    set_list[n_set] = a
+                    n_set += 1
+
+        if n_batch == 0:
+            # Nothing fits (all running preempted themselves); wait for the next arrival or stop.
+            if next_arr >= n_req:
+                break
+            t = max(t, arrival[next_arr])
+            continue
+
+        # ---- adapter residency and load time --------------------------------------------
+        load_ms = 0.0
+        n_distinct = 0
+        for j in range(n_batch):
+            a = req_adapter[batch[j]]
+            if batch_stamp[a] == step:
+                continue
+            batch_stamp[a] = step
+            n_distinct += 1
+            clock += 1
+            if not cpu_res[a]:
+                load_ms += disk_load_ms[a]
+                loads_disk += 1
+                if n_cpu >= max_cpu_loras:
+                    v = _evict(cpu_res, cpu_stamp, n_ad)
+                    cpu_res[v] = 0
+                    n_cpu -= 1
+                    if gpu_res[v]:          # evicting from CPU also deactivates the GPU slot
+                        gpu_res[v] = 0
+                        n_gpu -= 1
+                cpu_res[a] = 1
+                n_cpu += 1
+                cpu_stamp[a] = clock
+            elif cache_policy == POLICY_LRU:
+                cpu_stamp[a] = clock
+            if not gpu_res[a]:
+                load_ms += cpu_load_ms[a]
+                loads_cpu += 1
+                if n_gpu >= max_loras:
+                    v = _evict(gpu_res, gpu_stamp, n_ad)
+                    gpu_res[v] = 0
+                    n_gpu -= 1
+                gpu_res[a] = 1
+                n_gpu += 1
+                gpu_stamp[a] = clock
+            elif cache_policy == POLICY_LRU:
+                gpu_stamp[a] = clock
+
+        # ---- step time --------------------------------------------------------------------
+        model = (base_ms + per_seq_ms * n_batch + per_token_ms * (n_tokens - n_batch)
+                 + per_ctx_ktoken_ms * ctx / 1000.0)
+        if n_distinct > 0:
+            model *= 1.0 + lora_jump + lora_slope * n_distinct / (1.0 + n_distinct / lora_nsat)
+        w = n_waiting if n_waiting < sched_waiting_cap else sched_waiting_cap
+        sched = sched_base_ms + sched_per_running_ms * n_running + sched_per_waiting_ms * w
+        dt = (sched + load_ms + model) / 1000.0
+        t_end = t + dt
+        dt_in = min(t_end, duration) - t
+        running_area += n_running * dt_in
+        waiting_area += n_waiting * dt_in
+
+        # ---- advance the batch ----------------------------------------------------------
+        regular = 0
+        for j in range(n_batch):
+            r = batch[j]
+            computed[r] += sched_tok[r]
+            sched_tok[r] = 0
+            if computed[r] == in_len[r] + generated[r]:
+                generated[r] += 1
+                if generated[r] == 1:
+                    first_t[r] = t_end
+                elif last_t[r] == t:
+                    regular += 1
+                else:
+                    irr = _grow(irr, n_irr)
+                    irr[n_irr] = t_end - last_t[r]
+                    n_irr += 1
+                last_t[r] = t_end
+                if generated[r] == out_len[r]:
+                    finish_t[r] = t_end
+                    free_blocks += held[r]
+                    held[r] = 0
+                    if t_end <= duration:
+                        completed_tokens += in_len[r] + out_len[r]
+        if regular > 0:
+            step_dur = _grow(step_dur, n_steps_rec)
+            step_cnt = _grow(step_cnt, n_steps_rec)
+            step_dur[n_steps_rec] = dt
+            step_cnt[n_steps_rec] = regular
+            n_steps_rec += 1
+        # drop finished requests from RUNNING, keeping admission order
+        k = 0
+        for j in range(n_running):
+            r = running[j]
+            if generated[r] < out_len[r]:
+                running[k] = r
+                k += 1
+        n_running = k
+        t = t_end
+
+    counters = np.array([step, preemptions, loads_cpu, loads_disk, ts_next],
+                        np.int64)
+    areas = np.array([running_area, waiting_area, min(t, duration), stopped_at])
+    return (first_t, last_t, finish_t, n_preempt_req, step_dur[:n_steps_rec], step_cnt[:n_steps_rec],
+            irr[:n_irr], ts_running, ts_waiting, ts_kv, ts_loaded, counters, areas)

@@ -1,0 +1,196 @@
+"""``simulate(scenario) -> Result``: requests, start-up memory check, engine loop, metrics.
+
+Metric definitions follow vLLM's ``benchmark_serving`` as used for the real runs: tokens and
+latencies of requests completed within ``duration_s``; throughput = (input + output tokens of
+completed requests) / duration; TTFT = first token - arrival; TPOT = (finish - first token) /
+(output - 1) for requests with more than one output token; ITL = every gap between consecutive
+output tokens of a request (a preempted request's gap spans its recomputation).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from twin.adapter_cache import POLICIES
+from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
+from twin.profile import Profile
+from twin.scenario import Scenario
+from twin.workload import Requests, generate_requests
+
+RESULT_KEYS = (
+    "status", "duration_s", "completed", "total_input_tokens", "total_output_tokens",
+    "throughput_tok_s", "input_throughput", "output_throughput", "incoming_token_rate", "starving",
+    "ttft_ms", "itl_ms", "tpot_ms", "running_mean", "waiting_mean", "preemptions",
+    "adapter_loads_cpu", "adapter_loads_disk", "kv_cache_tokens", "stopped_early_s",
+)
+
+
+def _stats(values: np.ndarray) -> dict[str, float | None]:
+    if values.size == 0:
+        return {"mean": None, "median": None, "p99": None}
+    return {"mean": float(values.mean()), "median": float(np.median(values)),
+            "p99": float(np.percentile(values, 99))}
+
+
+def weighted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float | None]:
+    """mean/median/p99 of ``values`` repeated ``counts`` times, equal to numpy's (linear)
+    percentile of the expanded sample without expanding it."""
+    total = int(counts.sum())
+    if total == 0:
+        return {"mean": None, "median": None, "p99": None}
+    order = np.argsort(values, kind="stable")
+    v, c = values[order], counts[order]
+    cum = np.cumsum(c)
+
+    def at(k: int) -> float:             # k-th smallest (0-based) of the expanded sample
+        return float(v[np.searchsorted(cum, k, side="right")])
+
+    def pct(q: float) -> float:
+        pos = q / 100.0 * (total - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return at(lo) + (at(hi) - at(lo)) * (pos - lo)
+
+    return {"mean": float((v * c).sum() / total), "median": pct(50), "p99": pct(99)}
+
+
+@dataclass
+class Result:
+    """Outcome of one simulation. ``to_dict()`` gives exactly the documented JSON keys."""
+
+    status: str
+    duration_s: float
+    completed: int
+    total_input_tokens: int
+    total_output_tokens: int
+    throughput_tok_s: float
+    input_throughput: float
+    output_throughput: float
+    incoming_token_rate: float
+    starving: bool
+    ttft_ms: dict
+    itl_ms: dict
+    tpot_ms: dict
+    running_mean: float
+    waiting_mean: float
+    preemptions: int
+    adapter_loads_cpu: int
+    adapter_loads_disk: int
+    kv_cache_tokens: int
+    stopped_early_s: float | None
+    # not part of the JSON result
+    oom_reason: str = ""
+    steps: int = 0
+    arrived: int = 0
+    wall_s: float = 0.0
+    engine: dict = field(default_factory=dict)
+    timeseries: dict[str, np.ndarray] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in RESULT_KEYS}
+
+
+def _initial_residency(n_ad: int, max_loras: int, max_cpu_loras: int):
+    """vLLM loads ``--lora-modules`` in order at start-up, each into the CPU cache and a GPU slot,
+    so the last ``max_cpu_loras`` stay in CPU and the last ``max_loras`` in GPU slots."""
+    idx = np.arange(n_ad)
+    stamp = (idx + 1).astype(np.int64)
+    gpu = (idx >= n_ad - max_loras).astype(np.int64)
+    cpu = (idx >= n_ad - max_cpu_loras).astype(np.int64)
+    return gpu, cpu, stamp * gpu, stamp * cpu
+
+
+def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank: int) -> float:
+    """Sound upper bound on tokens/s the engine can process under the profile's step model:
+    the cheapest full step (one adapter, all tokens in one sequence or all in decodes)."""
+    lat = profile.latency
+    n = max_num_batched_tokens
+    cheapest = min(lat.model_ms(1, n, 0, 1, max_lora_rank), lat.model_ms(n, n, 0, 1, max_lora_rank))
+    return n / ((lat.sched_base_ms + cheapest) / 1000.0)
+
+
+def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool = False,
+             requests: Requests | None = None) -> Result:
+    """Simulate the scenario on one vLLM instance."""
+    t_wall = time.perf_counter()
+    profile = profile or sc.load_profile()
+    eng = sc.resolved_engine(profile)
+    starts, kv_tokens, reason = profile.startup_check(
+        eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
+        eng["max_num_batched_tokens"], eng["max_model_len"])
+    req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
+    T = sc.duration_s
+    arrived_tokens = int((req.in_len + req.out_len).sum())
+    incoming = arrived_tokens / T
+    null = {"mean": None, "median": None, "p99": None}
+    if not starts:
+        return Result(
+            status="oom", duration_s=T, completed=0, total_input_tokens=0, total_output_tokens=0,
+            throughput_tok_s=0.0, input_throughput=0.0, output_throughput=0.0,
+            incoming_token_rate=incoming, starving=incoming > 0, ttft_ms=null, itl_ms=null,
+            tpot_ms=null, running_mean=0.0, waiting_mean=0.0, preemptions=0, adapter_loads_cpu=0,
+            adapter_loads_disk=0, kv_cache_tokens=int(kv_tokens), stopped_early_s=None,
+            oom_reason=reason, arrived=len(req), wall_s=time.perf_counter() - t_wall, engine=eng)
+
+    _, ranks, _ = sc.adapter_table()
+    ranks = np.asarray(ranks)
+    cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
+    disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])
+    gpu0, cpu0, gstamp0, cstamp0 = _initial_residency(len(ranks), eng["max_loras"], eng["max_cpu_loras"])
+    lat = profile.latency
+    lora = lat.lora_for_rank(eng["max_lora_rank"])
+    if sc.early_stop and len(req):
+        tok = req.in_len + req.out_len
+        factor = float((tok / np.maximum(tok - 1, 1)).max())
+        stop_target = sc.rho * arrived_tokens
+        cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"])
+    else:
+        factor, stop_target, cap = 1.0, 0.0, 0.0
+    block = profile.memory.block_size
+    out = run_engine(
+        req.arrival, req.in_len, req.out_len, req.adapter,
+        cpu_ms, disk_ms, gpu0, cpu0, gstamp0, cstamp0,
+        eng["max_loras"], eng["max_cpu_loras"], eng["max_num_seqs"], eng["max_num_batched_tokens"],
+        kv_tokens // block, block,
+        LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
+        profile.reserve_full_prompt, POLICIES[eng["adapter_cache_policy"]].code, float(T),
+        lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms,
+        lora.jump, lora.slope, lora.n_sat,
+        lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms, lat.sched_waiting_cap,
+        stop_target, cap, factor, kv_tokens,
+        sc.timeseries_interval_s,
+    )
+    (first_t, _last_t, finish_t, _npre, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv, ts_loaded,
+     counters, areas) = out
+    steps, preemptions, loads_cpu, loads_disk, n_ts = (int(x) for x in counters)
+    running_area, waiting_area, _t_end, stopped_at = (float(x) for x in areas)
+
+    done = finish_t <= T                         # NaN compares False
+    in_done = int(req.in_len[done].sum())
+    out_done = int(req.out_len[done].sum())
+    thr_in, thr_out = in_done / T, out_done / T
+    throughput = thr_in + thr_out
+    ttft = (first_t[done] - req.arrival[done]) * 1000.0
+    multi = done & (req.out_len > 1)
+    tpot = (finish_t[multi] - first_t[multi]) / (req.out_len[multi] - 1) * 1000.0
+    itl_values = np.concatenate([step_dur, irr]) * 1000.0
+    itl_counts = np.concatenate([step_cnt, np.ones(irr.shape[0], np.int64)])
+    stopped = stopped_at if stopped_at >= 0 else None
+    ts = None
+    if timeseries:
+        ts = {"time_s": np.arange(n_ts) * sc.timeseries_interval_s, "running": ts_run[:n_ts],
+              "waiting": ts_wait[:n_ts], "kv_usage": ts_kv[:n_ts] / max(1, kv_tokens // block),
+              "loaded_adapters": ts_loaded[:n_ts]}
+    return Result(
+        status="ok", duration_s=T, completed=int(done.sum()), total_input_tokens=in_done,
+        total_output_tokens=out_done, throughput_tok_s=throughput, input_throughput=thr_in,
+        output_throughput=thr_out, incoming_token_rate=incoming,
+        starving=bool(throughput < sc.rho * incoming), ttft_ms=_stats(ttft),
+        itl_ms=weighted_stats(itl_values, itl_counts), tpot_ms=_stats(tpot),
+        running_mean=running_area / T, waiting_mean=waiting_area / T, preemptions=preemptions,
+        adapter_loads_cpu=loads_cpu, adapter_loads_disk=loads_disk, kv_cache_tokens=int(kv_tokens),
+        stopped_early_s=stopped, steps=steps, arrived=len(req),
+        wall_s=time.perf_counter() - t_wall, engine=eng, timeseries=ts)
