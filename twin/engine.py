@@ -65,6 +65,48 @@ def _evict(resident, stamp, n_adapters):
 
 
 @njit(cache=True)
+def _check_invariants(t, t_end, arrived, n_waiting, n_running, n_finished, running, held,
+                      generated, out_len, free_blocks, kv_blocks, batch, n_batch, req_adapter,
+                      max_loras, lora_set_rule, n_gpu, max_cpu_loras, n_cpu, gpu_res, cpu_res,
+                      step):
+    """The simulator's invariants after one step (used by the property tests)."""
+    if not t_end > t:
+        raise AssertionError("the clock did not move forward")
+    if n_waiting + n_running + n_finished != arrived:
+        raise AssertionError("an arrived request is neither finished, running nor waiting")
+    if free_blocks < 0 or free_blocks > kv_blocks:
+        raise AssertionError("KV blocks in use exceed the capacity")
+    used = 0
+    for j in range(n_running):
+        used += held[running[j]]
+    if used != kv_blocks - free_blocks:
+        raise AssertionError("KV blocks held by running requests != blocks in use")
+    for r in range(generated.shape[0]):
+        if generated[r] > out_len[r]:
+            raise AssertionError("a request produced more than its output tokens")
+    seen = np.zeros(gpu_res.shape[0], np.int64)
+    n_distinct = 0
+    if lora_set_rule == LORA_SET_RUNNING:
+        for j in range(n_running):
+            a = req_adapter[running[j]]
+            if seen[a] == 0:
+                seen[a] = 1
+                n_distinct += 1
+    else:
+        for j in range(n_batch):
+            a = req_adapter[batch[j]]
+            if seen[a] == 0:
+                seen[a] = 1
+                n_distinct += 1
+    if n_distinct > max_loras:
+        raise AssertionError("more distinct adapters than max_loras in the LoRA set")
+    if n_gpu > max_loras or gpu_res.sum() != n_gpu:
+        raise AssertionError("more adapters resident in GPU slots than max_loras")
+    if n_cpu > max_cpu_loras or cpu_res.sum() != n_cpu:
+        raise AssertionError("more adapters in the CPU cache than max_cpu_loras")
+
+
+@njit(cache=True)
 def run_engine(
     # requests, sorted by arrival
     arrival, in_len, out_len, req_adapter,
@@ -81,26 +123,28 @@ def run_engine(
     stop_target, stop_cap_tok_s, stop_token_factor, kv_tokens,
     # time series
     ts_interval,
+    # verify the invariants at every step (tests); raises AssertionError
+    check=False,
 ):
     n_req = arrival.shape[0]
     n_ad = cpu_load_ms.shape[0]
 
     # per-request state
-    computed = np.zeros(n_req, np.int64)      # tokens whose KV is computed
-    generated = np.zeros(n_req, np.int64)     # output tokens sampled so far
-    held = np.zeros(n_req, np.int64)          # KV blocks held
+    computed = np.zeros(n_req, np.int32)      # tokens whose KV is computed
+    generated = np.zeros(n_req, np.int32)     # output tokens sampled so far
+    held = np.zeros(n_req, np.int32)          # KV blocks held
     first_t = np.full(n_req, np.nan)
     last_t = np.full(n_req, np.nan)
     finish_t = np.full(n_req, np.nan)
-    sched_tok = np.zeros(n_req, np.int64)     # tokens scheduled in the current step
+    sched_tok = np.zeros(n_req, np.int32)     # tokens scheduled in the current step
     n_preempt_req = np.zeros(n_req, np.int32)
 
     # waiting: global FCFS doubly linked list + one FIFO per adapter, ordered by key
-    gnext = np.full(n_req, _NONE, np.int64)
-    gprev = np.full(n_req, _NONE, np.int64)
-    anext = np.full(n_req, _NONE, np.int64)
-    aprev = np.full(n_req, _NONE, np.int64)
-    key = np.zeros(n_req, np.int64)
+    gnext = np.full(n_req, _NONE, np.int32)
+    gprev = np.full(n_req, _NONE, np.int32)
+    anext = np.full(n_req, _NONE, np.int32)
+    aprev = np.full(n_req, _NONE, np.int32)
+    key = np.zeros(n_req, np.int32)
     ahead = np.full(n_ad, _NONE, np.int64)
     atail = np.full(n_ad, _NONE, np.int64)
     ghead = _NONE
@@ -109,9 +153,9 @@ def run_engine(
     tail_key = np.int64(0)
     head_key = np.int64(-1)
 
-    running = np.empty(n_req, np.int64)       # admission order
+    running = np.empty(n_req, np.int32)       # admission order
     n_running = 0
-    batch = np.empty(n_req, np.int64)         # requests scheduled in this step
+    batch = np.empty(n_req, np.int32)         # requests scheduled in this step
     # LoRA set of this step, as stamps (set_stamp[a] == step) plus a list
     set_stamp = np.full(n_ad, -1, np.int64)
     set_list = np.empty(n_ad, np.int64)
@@ -139,6 +183,7 @@ def run_engine(
     loads_cpu = 0
     loads_disk = 0
     completed_tokens = 0
+    n_finished = 0
     stopped_at = -1.0
     running_area = 0.0
     waiting_area = 0.0
@@ -414,6 +459,7 @@ def run_engine(
                     n_irr += 1
                 last_t[r] = t_end
                 if generated[r] == out_len[r]:
+                    n_finished += 1
                     finish_t[r] = t_end
                     free_blocks += held[r]
                     held[r] = 0
@@ -433,6 +479,11 @@ def run_engine(
                 running[k] = r
                 k += 1
         n_running = k
+        if check:
+            _check_invariants(t, t_end, next_arr, n_waiting, n_running, n_finished, running, held,
+                              generated, out_len, free_blocks, kv_blocks, batch, n_batch,
+                              req_adapter, max_loras, lora_set_rule, n_gpu, max_cpu_loras, n_cpu,
+                              gpu_res, cpu_res, step)
         t = t_end
 
     counters = np.array([step, preemptions, loads_cpu, loads_disk, ts_next],

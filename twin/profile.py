@@ -14,6 +14,7 @@ The estimators defined here are the only place where time and memory are compute
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,7 +320,7 @@ def bundled_profiles() -> list[str]:
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
-    """A bundled profile by name, or a profile YAML by path."""
+    """A bundled profile by name, or a profile YAML by path (parsed once per file version)."""
     p = Path(name_or_path)
     if p.suffix.lower() not in (".yaml", ".yml", ".json") and "/" not in str(name_or_path):
         cand = PROFILES_DIR / f"{name_or_path}.yaml"
@@ -329,8 +330,18 @@ def load_profile(name_or_path: str | Path) -> Profile:
         p = cand
     if not p.exists():
         raise ScenarioError(f"profile: file not found: {p}")
+    st = p.stat()
+    return _load_profile_file(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_profile_file(path: str, _mtime_ns: int, _size: int) -> Profile:
+    p = Path(path)
     with open(p) as fh:
-        data = yaml.safe_load(fh)
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise ScenarioError(f"profile {p}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ScenarioError(f"profile {p}: not a mapping")
     return profile_from_dict(data, str(p))

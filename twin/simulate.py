@@ -42,7 +42,7 @@ def weighted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float | 
     total = int(counts.sum())
     if total == 0:
         return {"mean": None, "median": None, "p99": None}
-    order = np.argsort(values, kind="stable")
+    order = np.argsort(values)
     v, c = values[order], counts[order]
     cum = np.cumsum(c)
 
@@ -113,8 +113,9 @@ def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank:
 
 
 def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool = False,
-             requests: Requests | None = None) -> Result:
-    """Simulate the scenario on one vLLM instance."""
+             requests: Requests | None = None, check_invariants: bool = False) -> Result:
+    """Simulate the scenario on one vLLM instance (``check_invariants``: assert the simulator's
+    invariants at every step -- slower, for tests)."""
     t_wall = time.perf_counter()
     profile = profile or sc.load_profile()
     eng = sc.resolved_engine(profile)
@@ -161,7 +162,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         lora.jump, lora.slope, lora.n_sat,
         lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms, lat.sched_waiting_cap,
         stop_target, cap, factor, kv_tokens,
-        sc.timeseries_interval_s,
+        sc.timeseries_interval_s, check_invariants,
     )
     (first_t, _last_t, finish_t, _npre, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv, ts_loaded,
      counters, areas) = out

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from twin.errors import ScenarioError
 from twin.paths import DATA_DIR
@@ -96,6 +95,8 @@ _LENGTH_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 def _length_file(source: str) -> tuple[np.ndarray, np.ndarray]:
     if source not in _LENGTH_CACHE:
+        import pandas as pd
+
         df = pd.read_csv(LENGTH_FILES[source])
         _LENGTH_CACHE[source] = (df["num_prefill_tokens"].to_numpy(np.int64),
                                  df["num_decode_tokens"].to_numpy(np.int64))
@@ -180,8 +181,10 @@ def _synthetic_arrivals(sc: Scenario, rng, rates):
     return np.concatenate(times), np.concatenate(adapters)
 
 
-def load_trace(name_or_path: str) -> pd.DataFrame:
-    """A trace as columns t (seconds from its first request), in_len, out_len; validated."""
+def load_trace(name_or_path: str):
+    """A trace as a DataFrame: t (seconds from its first request), in_len, out_len; validated."""
+    import pandas as pd
+
     path = TRACES.get(name_or_path, Path(name_or_path))
     if not path.exists():
         raise ScenarioError(f"arrivals.trace: {name_or_path!r} is neither a bundled trace "

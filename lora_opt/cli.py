@@ -1,0 +1,141 @@
+"""The ``lora-opt`` command line.  Heavy imports happen inside each command so that
+``lora-opt --help`` and ``lora-opt simulate`` start quickly."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
+
+
+def _fmt_stats(s: dict) -> str:
+    if s.get("mean") is None:
+        return "n/a"
+    return f"mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}"
+
+
+def print_summary(res, sc, out=sys.stdout) -> None:
+    w = out.write
+    e = res.engine
+    w(f"profile {sc.profile}   max_loras {e['max_loras']}   max_lora_rank {e['max_lora_rank']}   "
+      f"max_cpu_loras {e['max_cpu_loras']}   max_num_seqs {e['max_num_seqs']}   "
+      f"max_num_batched_tokens {e['max_num_batched_tokens']}\n")
+    if res.status == "oom":
+        w(f"status      OOM at start-up: {res.oom_reason}\n")
+        w(f"incoming    {res.incoming_token_rate:,.0f} tok/s over {res.arrived} requests -- nothing served\n")
+        return
+    verdict = "STARVING" if res.starving else "not starving"
+    w(f"status      ok, {verdict} (throughput {res.throughput_tok_s:,.0f} vs rho x incoming "
+      f"{sc.rho} x {res.incoming_token_rate:,.0f} tok/s)\n")
+    if res.stopped_early_s is not None:
+        w(f"            stopped early at {res.stopped_early_s:,.0f} s: starvation was certain\n")
+    w(f"requests    {res.completed:,} completed of {res.arrived:,} arrived in {res.duration_s:,.0f} s\n")
+    w(f"throughput  {res.throughput_tok_s:,.1f} tok/s  (input {res.input_throughput:,.1f}, "
+      f"output {res.output_throughput:,.1f})\n")
+    w(f"TTFT ms     {_fmt_stats(res.ttft_ms)}\n")
+    w(f"ITL ms      {_fmt_stats(res.itl_ms)}\n")
+    w(f"TPOT ms     {_fmt_stats(res.tpot_ms)}\n")
+    w(f"batch       running {res.running_mean:.1f}, waiting {res.waiting_mean:.1f} (time means); "
+      f"preemptions {res.preemptions:,}\n")
+    w(f"adapters    loads CPU->GPU {res.adapter_loads_cpu:,}, disk->CPU {res.adapter_loads_disk:,}; "
+      f"KV cache {res.kv_cache_tokens:,} tokens\n")
+    w(f"twin        {res.steps:,} steps in {res.wall_s:.2f} s\n")
+
+
+def cmd_simulate(args) -> int:
+    import twin
+
+    sc = twin.load_scenario(args.scenario)
+    overrides = {}
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if args.early_stop:
+        overrides["early_stop"] = True
+    if overrides:
+        from twin.scenario import replace
+        sc = replace(sc, **overrides)
+    res = twin.simulate(sc, timeseries=bool(args.timeseries))
+    if args.timeseries and res.timeseries is not None:
+        import pandas as pd
+        path = Path(args.timeseries)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        df = pd.DataFrame(res.timeseries)
+        if path.suffix == ".parquet":
+            df.to_parquet(path, index=False)
+        else:
+            df.to_csv(path, index=False)
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        print_summary(res, sc)
+        if args.timeseries:
+            print(f"time series -> {args.timeseries}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lora_opt.bench import bench_twin
+
+    if args.what == "twin":
+        return bench_twin(out=args.out, repeats=args.repeats)
+    raise SystemExit(f"lora-opt bench: unknown benchmark {args.what!r}")
+
+
+def cmd_calibrate(args) -> int:
+    from lora_opt.calibrate import calibrate
+
+    calibrate(args.runs, args.model, args.out, report_dir=args.report)
+    print(f"profile -> {args.out}" + (f"; report -> {args.report}" if args.report else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-opt",
+        description="Serve many LoRA adapters on vLLM with as few GPUs as possible: a calibrated "
+                    "digital twin of the engine and the tools built on it.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="simulate one vLLM instance described by a scenario file")
+    s.add_argument("scenario", help="scenario YAML/JSON (see configs/scenarios/example.yaml)")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    s.add_argument("--timeseries", metavar="FILE",
+                   help="write time, running, waiting, KV usage, loaded adapters (CSV or .parquet)")
+    s.add_argument("--seed", type=int, help="override the scenario's seed")
+    s.add_argument("--early-stop", action="store_true",
+                   help="stop as soon as starvation is certain (recorded in stopped_early_s)")
+    s.set_defaults(func=cmd_simulate)
+
+    b = sub.add_parser("bench", help="benchmarks (speed and memory), reported as numbers, not tests")
+    b.add_argument("what", choices=["twin"], help="what to benchmark")
+    b.add_argument("--out", help="also write the results as JSON here")
+    b.add_argument("--repeats", type=int, default=3, help="timed repetitions per scenario (best is kept)")
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("calibrate", help="fit a profile's estimators on real vLLM measurements")
+    c.add_argument("--runs", required=True, help="CSV of real runs (data/real_runs/real_runs_vllm_lora.csv)")
+    c.add_argument("--model", required=True, help="model name as in the CSV's model column")
+    c.add_argument("--out", required=True, help="profile YAML to write")
+    c.add_argument("--report", help="directory for the fit report (markdown + PNG)")
+    c.set_defaults(func=cmd_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from twin.errors import ScenarioError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ScenarioError as exc:
+        print(f"lora-opt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lora-opt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Simulator invariants (hypothesis), determinism, start-up memory check, metric definitions."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import twin
+from conftest import small_scenario
+from twin.scenario import scenario_from_dict
+from twin.simulate import weighted_stats
+from twin.workload import generate_requests
+
+scenarios = st.fixed_dictionaries({
+    "max_loras": st.integers(1, 6),
+    "cpu_extra": st.integers(0, 4),
+    "max_num_seqs": st.integers(1, 48),
+    "max_num_batched_tokens": st.sampled_from([64, 256, 1024]),
+    "groups": st.lists(st.tuples(st.integers(1, 5), st.sampled_from([8, 16, 32]),
+                                 st.floats(0.05, 3.0)), min_size=1, max_size=3),
+    "process": st.sampled_from(["poisson", "lognormal", "nonstationary"]),
+    "lengths": st.sampled_from(["sharegpt", "mean", "sharegpt-8k"]),
+    "policy": st.sampled_from(["lru", "fifo"]),
+    "seed": st.integers(0, 10_000),
+    "profile": st.sampled_from(["llama-3.1-8b-h100-64gb", "tests/data/profile-0.33.yaml"]),
+})
+
+
+def _build(p):
+    return scenario_from_dict({
+        "profile": p["profile"],
+        "engine": {"max_loras": p["max_loras"], "max_cpu_loras": p["max_loras"] + p["cpu_extra"],
+                   "max_lora_rank": 32, "max_num_seqs": p["max_num_seqs"],
+                   "max_num_batched_tokens": p["max_num_batched_tokens"],
+                   "adapter_cache_policy": p["policy"]},
+        "adapters": [{"count": c, "rank": r, "rate": q} for c, r, q in p["groups"]],
+        "arrivals": {"process": p["process"]},
+        "lengths": {"source": p["lengths"]},
+        "duration_s": 40, "seed": p["seed"],
+    })
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios)
+def test_invariants_hold_every_step(p):
+    """Every arrived request is finished, running or waiting; KV in use <= capacity; distinct
+    adapters in the LoRA set <= max_loras; resident adapters <= max_loras (GPU) and max_cpu_loras
+    (CPU); no request produces more than its output tokens; the clock only moves forward.
+    (Checked inside the engine after every step; a violation raises AssertionError.)"""
+    sc = _build(p)
+    res = twin.simulate(sc, check_invariants=True)
+    assert res.status == "ok"
+    assert res.completed <= res.arrived
+
+
+@settings(max_examples=15, deadline=None)
+@given(scenarios)
+def test_finished_requests_produced_exactly_their_tokens(p):
+    sc = _build(p)
+    req = generate_requests(sc, 131072)
+    res = twin.simulate(sc, requests=req)
+    # completed requests' output tokens are exactly the sum of their out_len
+    assert res.total_output_tokens <= int(req.out_len.sum())
+    if res.completed == res.arrived:
+        assert res.total_output_tokens == int(req.out_len.sum())
+        assert res.total_input_tokens == int(req.in_len.sum())
+
+
+def test_same_seed_same_result_and_seed_matters():
+    sc = scenario_from_dict(small_scenario())
+    a, b = twin.simulate(sc).to_dict(), twin.simulate(sc).to_dict()
+    assert a == b
+    c = twin.simulate(scenario_from_dict(small_scenario(seed=2))).to_dict()
+    assert c != a
+
+
+def test_oom_is_a_result_not_an_exception():
+    # 256 slots of rank 32 on a 64 GB H100: the KV cache cannot hold one 131072-token request
+    sc = scenario_from_dict(small_scenario(engine={"max_loras": 256, "max_lora_rank": 32}))
+    res = twin.simulate(sc)
+    assert res.status == "oom" and res.completed == 0 and res.starving
+    assert "max_model_len" in res.oom_reason or "do not fit" in res.oom_reason
+    assert set(res.to_dict()) == set(twin.simulate.__globals__["RESULT_KEYS"])
+
+
+def test_result_json_keys_exact():
+    from twin.simulate import RESULT_KEYS
+    res = twin.simulate(scenario_from_dict(small_scenario()))
+    d = res.to_dict()
+    assert tuple(d) == RESULT_KEYS
+    for k in ("ttft_ms", "itl_ms", "tpot_ms"):
+        assert set(d[k]) == {"mean", "median", "p99"}
+
+
+def test_lora_gate_limits_distinct_adapters_and_starves_outsiders():
+    """One slot, two adapters with steady traffic: under the 0.33 rule (set = all running
+    requests) the adapter holding the slot always has a running request, so the other one is
+    skipped forever -- the starvation risk of reference §3.1. Two slots serve both."""
+    over = dict(profile="tests/data/profile-0.33.yaml", adapters=[{"count": 2, "rank": 8, "rate": 2.0}],
+                duration_s=120)
+    one = twin.simulate(scenario_from_dict(small_scenario(**over, engine={"max_loras": 1, "max_cpu_loras": 2})),
+                        check_invariants=True)
+    two = twin.simulate(scenario_from_dict(small_scenario(**over, engine={"max_loras": 2})),
+                        check_invariants=True)
+    assert one.starving and one.completed < 0.6 * one.arrived
+    assert not two.starving and two.completed > 0.9 * two.arrived
+
+
+def test_weighted_stats_equal_numpy_on_expanded_sample():
+    rng = np.random.default_rng(0)
+    v = rng.lognormal(3, 1, 50)
+    c = rng.integers(1, 20, 50)
+    got = weighted_stats(v, c)
+    x = np.repeat(v, c)
+    assert got["mean"] == pytest.approx(x.mean())
+    assert got["median"] == pytest.approx(np.median(x))
+    assert got["p99"] == pytest.approx(np.percentile(x, 99))
+
+
+def test_more_load_more_throughput_until_saturation():
+    base = small_scenario(duration_s=300, engine={"max_num_batched_tokens": 2048, "max_num_seqs": 256,
+                                                  "max_loras": 10})
+    lo = twin.simulate(scenario_from_dict({**base, "adapters": [{"count": 10, "rank": 8, "rate": 0.1}]}))
+    hi = twin.simulate(scenario_from_dict({**base, "adapters": [{"count": 10, "rank": 8, "rate": 0.4}]}))
+    assert hi.throughput_tok_s > 3 * lo.throughput_tok_s
+    assert not lo.starving and not hi.starving
+
+
+def test_early_stop_is_recorded_and_only_when_certain():
+    over = small_scenario(adapters=[{"count": 8, "rank": 8, "rate": 50.0}], duration_s=600,
+                          early_stop=True, engine={"max_num_batched_tokens": 256})
+    res = twin.simulate(scenario_from_dict(over))
+    assert res.stopped_early_s is not None and res.starving
+    full = twin.simulate(scenario_from_dict({**over, "early_stop": False}))
+    assert full.stopped_early_s is None and full.starving
+    ok = twin.simulate(scenario_from_dict(small_scenario(early_stop=True)))
+    assert ok.stopped_early_s is None
+
+
+def test_timeseries_shape():
+    res = twin.simulate(scenario_from_dict(small_scenario()), timeseries=True)
+    ts = res.timeseries
+    assert set(ts) == {"time_s", "running", "waiting", "kv_usage", "loaded_adapters"}
+    assert len(ts["time_s"]) == 61
+    assert (ts["kv_usage"] <= 1).all() and (ts["loaded_adapters"] <= 4).all()
