@@ -65,6 +65,21 @@ def _evict(resident, stamp, n_adapters):
 
 
 @njit(cache=True)
+def _step_seconds(n_seqs, n_tokens, ctx, n_distinct, n_running, n_waiting, load_ms,
+                  base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms, lora_jump, lora_slope,
+                  lora_nsat, sched_base_ms, sched_per_running_ms, sched_per_waiting_ms,
+                  sched_waiting_cap):
+    """Step time = scheduler + adapter loads + forward pass (the profile's estimators)."""
+    model = (base_ms + per_seq_ms * n_seqs + per_token_ms * (n_tokens - n_seqs)
+             + per_ctx_ktoken_ms * ctx / 1000.0)
+    if n_distinct > 0:
+        model *= 1.0 + lora_jump + lora_slope * n_distinct / (1.0 + n_distinct / lora_nsat)
+    w = n_waiting if n_waiting < sched_waiting_cap else sched_waiting_cap
+    sched = sched_base_ms + sched_per_running_ms * n_running + sched_per_waiting_ms * w
+    return (sched + load_ms + model) / 1000.0
+
+
+@njit(cache=True)
 def _check_invariants(t, t_end, arrived, n_waiting, n_running, n_finished, running, held,
                       generated, out_len, free_blocks, kv_blocks, batch, n_batch, req_adapter,
                       max_loras, lora_set_rule, n_gpu, max_cpu_loras, n_cpu, gpu_res, cpu_res,
@@ -125,6 +140,8 @@ def run_engine(
     ts_interval,
     # verify the invariants at every step (tests); raises AssertionError
     check=False,
+    # skip identical decode-only steps in one go (same numbers, bit for bit; off only in tests)
+    fast_forward=True,
 ):
     n_req = arrival.shape[0]
     n_ad = cpu_load_ms.shape[0]
@@ -185,6 +202,8 @@ def run_engine(
     completed_tokens = 0
     n_finished = 0
     stopped_at = -1.0
+    next_stop_check = 0.0
+    blocks_at = np.zeros(block_size, np.int64)
     running_area = 0.0
     waiting_area = 0.0
 
@@ -243,7 +262,8 @@ def run_engine(
             continue
 
         # ---- early stop of certain starvation ---------------------------------------------
-        if stop_target > 0.0 and (step & 1023) == 0:
+        if stop_target > 0.0 and t >= next_stop_check:
+            next_stop_check = t + 10.0
             bound = completed_tokens + stop_token_factor * (kv_tokens + stop_cap_tok_s * (duration - t))
             if bound < stop_target:
                 stopped_at = t
@@ -329,6 +349,7 @@ def run_engine(
                     n_set += 1
 
         # ---- WAITING loop ---------------------------------------------------------------
+        n_from_running = n_batch
         if not preempted:
             while budget > 0 and n_running < max_num_seqs and n_waiting > 0:
                 if n_set < max_loras:
@@ -429,13 +450,10 @@ def run_engine(
                 gpu_stamp[a] = clock
 
         # ---- step time --------------------------------------------------------------------
-        model = (base_ms + per_seq_ms * n_batch + per_token_ms * (n_tokens - n_batch)
-                 + per_ctx_ktoken_ms * ctx / 1000.0)
-        if n_distinct > 0:
-            model *= 1.0 + lora_jump + lora_slope * n_distinct / (1.0 + n_distinct / lora_nsat)
-        w = n_waiting if n_waiting < sched_waiting_cap else sched_waiting_cap
-        sched = sched_base_ms + sched_per_running_ms * n_running + sched_per_waiting_ms * w
-        dt = (sched + load_ms + model) / 1000.0
+        dt = _step_seconds(n_batch, n_tokens, ctx, n_distinct, n_running, n_waiting, load_ms,
+                           base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms, lora_jump,
+                           lora_slope, lora_nsat, sched_base_ms, sched_per_running_ms,
+                           sched_per_waiting_ms, sched_waiting_cap)
         t_end = t + dt
         dt_in = min(t_end, duration) - t
         running_area += n_running * dt_in
@@ -443,6 +461,7 @@ def run_engine(
 
         # ---- advance the batch ----------------------------------------------------------
         regular = 0
+        finished_now = 0
         for j in range(n_batch):
             r = batch[j]
             computed[r] += sched_tok[r]
@@ -460,6 +479,7 @@ def run_engine(
                 last_t[r] = t_end
                 if generated[r] == out_len[r]:
                     n_finished += 1
+                    finished_now += 1
                     finish_t[r] = t_end
                     free_blocks += held[r]
                     held[r] = 0
@@ -485,6 +505,65 @@ def run_engine(
                               req_adapter, max_loras, lora_set_rule, n_gpu, max_cpu_loras, n_cpu,
                               gpu_res, cpu_res, step)
         t = t_end
+
+        # ---- fast forward ---------------------------------------------------------------
+        # A step in which every running request decoded one token, nothing was admitted,
+        # preempted, loaded or finished repeats identically (one more token each, context +1
+        # per request) until an arrival, a finish, a KV block shortage, a time-series sample,
+        # an early-stop check or the end.  Those steps are taken here without touching the
+        # requests; only the block allocations (periodic in the block size) are counted.
+        if (fast_forward and not check and not preempted and load_ms == 0.0 and finished_now == 0
+                and n_from_running == n_batch and n_batch == n_running and n_tokens == n_batch):
+            min_rem = np.int64(2**62)
+            for m in range(block_size):
+                blocks_at[m] = 0
+            for j in range(n_running):
+                r = running[j]
+                if generated[r] < 1 or computed[r] != in_len[r] + generated[r] - 1:
+                    min_rem = 0          # still prefilling (or a first token is due): no skip
+                    break
+                rem = out_len[r] - generated[r]
+                if rem < min_rem:
+                    min_rem = rem
+                blocks_at[computed[r] % block_size] += 1
+            ctx_ff = ctx + n_batch
+            s_ff = 0
+            while s_ff < min_rem - 1:
+                if t >= duration or (next_arr < n_req and arrival[next_arr] <= t):
+                    break
+                if ts_next < n_ts and ts_next * ts_interval <= t:
+                    break
+                if stop_target > 0.0 and t >= next_stop_check:
+                    break
+                # a request whose computed tokens are a multiple of the block size needs a block
+                need = blocks_at[(block_size - s_ff % block_size) % block_size]
+                if need > free_blocks:
+                    break
+                free_blocks -= need
+                dt = _step_seconds(n_batch, n_batch, ctx_ff, n_distinct, n_running, n_waiting, 0.0,
+                                   base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms, lora_jump,
+                                   lora_slope, lora_nsat, sched_base_ms, sched_per_running_ms,
+                                   sched_per_waiting_ms, sched_waiting_cap)
+                t_end = t + dt
+                dt_in = min(t_end, duration) - t
+                running_area += n_running * dt_in
+                waiting_area += n_waiting * dt_in
+                step_dur = _grow(step_dur, n_steps_rec)
+                step_cnt = _grow(step_cnt, n_steps_rec)
+                step_dur[n_steps_rec] = dt
+                step_cnt[n_steps_rec] = n_batch
+                n_steps_rec += 1
+                step += 1
+                ctx_ff += n_batch
+                t = t_end
+                s_ff += 1
+            if s_ff > 0:
+                for j in range(n_running):
+                    r = running[j]
+                    computed[r] += s_ff
+                    generated[r] += s_ff
+                    held[r] = (computed[r] + block_size - 1) // block_size
+                    last_t[r] = t
 
     counters = np.array([step, preemptions, loads_cpu, loads_disk, ts_next],
                         np.int64)

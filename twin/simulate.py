@@ -113,7 +113,8 @@ def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank:
 
 
 def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool = False,
-             requests: Requests | None = None, check_invariants: bool = False) -> Result:
+             requests: Requests | None = None, check_invariants: bool = False,
+             fast_forward: bool = True) -> Result:
     """Simulate the scenario on one vLLM instance (``check_invariants``: assert the simulator's
     invariants at every step -- slower, for tests)."""
     t_wall = time.perf_counter()
@@ -162,7 +163,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         lora.jump, lora.slope, lora.n_sat,
         lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms, lat.sched_waiting_cap,
         stop_target, cap, factor, kv_tokens,
-        sc.timeseries_interval_s, check_invariants,
+        sc.timeseries_interval_s, check_invariants, fast_forward,
     )
     (first_t, _last_t, finish_t, _npre, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv, ts_loaded,
      counters, areas) = out
