@@ -92,6 +92,13 @@ class MemorySpec:
     subtracts them), at ``max_num_batched_tokens = 2048``."""
     overhead_gib_per_1k_batched_tokens: float = 0.0
     """Growth of the activation peak per 1000 tokens of ``max_num_batched_tokens`` above 2048."""
+    overhead_ref_max_num_seqs: int = 2048
+    """``max_num_seqs`` at which ``non_kv_overhead_gib`` was measured."""
+    overhead_gib_per_1k_seqs: float = 0.0
+    """Growth of the profiling run's peak per 1000 ``max_num_seqs`` above ``seqs_knee`` (the
+    sampler's ``[max_num_seqs, vocab]`` fp32 tensors outgrow the forward pass's activations)."""
+    seqs_knee: float = 0.0
+    """``max_num_seqs`` below which the sampler does not set the peak."""
     slot_fixed_mib: float = 0.0
     """Bytes per LoRA slot that do not scale with rank (0.8.5: extra-vocab rows and a residual)."""
     slot_rank_scale: float = 1.0
@@ -238,16 +245,22 @@ class Profile:
         per_rank = self.model.lora_elements_per_rank * self.model.dtype_bytes * m.slot_rank_scale
         return per_rank * max_lora_rank + m.slot_fixed_mib * MIB
 
-    def non_kv_bytes(self, max_num_batched_tokens: int) -> float:
+    def non_kv_bytes(self, max_num_batched_tokens: int, max_num_seqs: int | None = None) -> float:
+        """Weights + activation peak + non-torch memory (everything but LoRA slots and KV)."""
         m = self.memory
         extra = m.overhead_gib_per_1k_batched_tokens * (max_num_batched_tokens - 2048) / 1000.0
+        if max_num_seqs is not None:
+            extra += m.overhead_gib_per_1k_seqs * (max(max_num_seqs, m.seqs_knee)
+                                                   - max(m.overhead_ref_max_num_seqs, m.seqs_knee)) / 1000.0
         return (m.weights_gib + m.non_kv_overhead_gib + extra) * GIB
 
     def kv_capacity_tokens(self, max_loras: int, max_lora_rank: int, gpu_memory_utilization: float,
-                           max_num_batched_tokens: int, enable_lora: bool = True) -> int:
-        """KV-cache tokens vLLM allocates at start-up (a multiple of the block size; <= 0 = OOM)."""
+                           max_num_batched_tokens: int, enable_lora: bool = True,
+                           max_num_seqs: int | None = None) -> int:
+        """KV-cache tokens vLLM allocates at start-up (a multiple of the block size; <= 0 = OOM).
+        ``max_num_seqs`` None = the value the overhead was measured at."""
         budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
-        used = self.non_kv_bytes(max_num_batched_tokens)
+        used = self.non_kv_bytes(max_num_batched_tokens, max_num_seqs)
         if enable_lora:
             used += max_loras * self.slot_bytes(max_lora_rank)
         avail = budget - used
@@ -256,12 +269,13 @@ class Profile:
         return blocks * self.memory.block_size
 
     def startup_check(self, max_loras: int, max_lora_rank: int, gpu_memory_utilization: float,
-                      max_num_batched_tokens: int, max_model_len: int | None = None) -> tuple[bool, int, str]:
+                      max_num_batched_tokens: int, max_model_len: int | None = None,
+                      max_num_seqs: int | None = None) -> tuple[bool, int, str]:
         """(starts, kv_tokens, reason). vLLM refuses to start when the LoRA buffers do not fit
         or the KV cache cannot hold one ``max_model_len`` request."""
         mml = max_model_len or self.model.max_model_len
         kv = self.kv_capacity_tokens(max_loras, max_lora_rank, gpu_memory_utilization,
-                                     max_num_batched_tokens)
+                                     max_num_batched_tokens, max_num_seqs=max_num_seqs)
         budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
         weights_and_slots = self.memory.weights_gib * GIB + max_loras * self.slot_bytes(max_lora_rank)
         if weights_and_slots > budget:

@@ -122,7 +122,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     eng = sc.resolved_engine(profile)
     starts, kv_tokens, reason = profile.startup_check(
         eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
-        eng["max_num_batched_tokens"], eng["max_model_len"])
+        eng["max_num_batched_tokens"], eng["max_model_len"], eng["max_num_seqs"])
     req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
     T = sc.duration_s
     arrived_tokens = int((req.in_len + req.out_len).sum())

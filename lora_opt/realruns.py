@@ -1,0 +1,116 @@
+"""The papers' real vLLM runs (``data/real_runs/real_runs_vllm_lora.csv``) as twin scenarios.
+
+One row = one benchmark run of vLLM with LoRA on an H100 (64 GB).  ``run_to_scenario`` rebuilds the
+configuration the authors ran: served adapters with rates and ranks assigned round-robin (adapter i
+gets ``rates[i % len(rates)]`` and ``ranks[i % len(ranks)]`` -- this reproduces every recorded
+``adapter_rate_counts``), the engine flags of the run, Poisson arrivals, and the run's length
+distribution (ShareGPT -> the ``sharegpt`` model; the fixed-length "mean" dataset -> its exact
+lengths), for the run's duration.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+
+from twin.errors import ScenarioError
+from twin.paths import DATA_DIR, PROFILES_DIR
+
+REAL_RUNS_CSV = DATA_DIR / "real_runs" / "real_runs_vllm_lora.csv"
+PEER_TWIN_CSV = DATA_DIR / "real_runs" / "peer_twin_validation.csv"
+
+#: model column -> bundled profile
+MODEL_PROFILES = {
+    "llama-3.1-8b-instruct": "llama-3.1-8b-h100-64gb",
+    "qwen-2.5-7b-instruct": "qwen-2.5-7b-h100-64gb",
+    "llama-2-7b": "llama-2-7b-h100-64gb",
+}
+
+#: end-to-end families used for validation (never for fitting)
+VALIDATION_FAMILIES = ("digital_twin_modelling/real_results", "motivation_figure/with_slots")
+
+
+def load_runs(path: str | Path = REAL_RUNS_CSV):
+    import pandas as pd
+
+    p = Path(path)
+    if not p.exists():
+        raise ScenarioError(f"real runs CSV not found: {p}")
+    return pd.read_csv(p)
+
+
+def _num(row, col, default=None):
+    v = row.get(col)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return default
+    return v
+
+
+def run_seed(row) -> int:
+    """A stable seed per run (from its directory), so every report draws the same requests."""
+    return int(hashlib.sha256(str(row["source_dir"]).encode()).hexdigest()[:8], 16)
+
+
+def usable(row) -> tuple[bool, str]:
+    """Whether a run can be replayed: status ok, a profile for its model, a known workload."""
+    if row.get("status") != "ok":
+        return False, f"status {row.get('status')}"
+    if row["model"] not in MODEL_PROFILES or not (PROFILES_DIR / f"{MODEL_PROFILES[row['model']]}.yaml").exists():
+        return False, f"no profile for model {row['model']}"
+    if not any(str(row["experiment"]).startswith(f) for f in VALIDATION_FAMILIES):
+        return False, "not an end-to-end validation family"
+    if _num(row, "n_served_adapters") is None or _num(row, "completed", 0) <= 0:
+        return False, "no adapters or nothing completed"
+    if _num(row, "adapter_rates") is None:
+        return False, "no per-adapter rates"
+    return True, ""
+
+
+def run_to_scenario(row, lengths: str = "auto", seed: int | None = None) -> dict:
+    """The scenario dict of a real run (``lengths``: auto | mean, the papers' Table 1 variant)."""
+    n = int(row["n_served_adapters"])
+    rates = [float(x) for x in str(row["adapter_rates"]).split()]
+    ranks = [int(x) for x in str(_num(row, "adapter_module_ranks", row["max_lora_rank"])).split()]
+    adapters = [{"count": 1, "rank": ranks[i % len(ranks)], "rate": rates[i % len(rates)]} for i in range(n)]
+    max_loras = int(row["max_loras"])
+    engine = {"max_loras": max_loras, "max_lora_rank": int(row["max_lora_rank"]),
+              "max_cpu_loras": int(_num(row, "max_cpu_loras", max_loras)),
+              "gpu_memory_utilization": float(_num(row, "gpu_memory_utilization", 0.9))}
+    if _num(row, "max_num_seqs") is not None:
+        engine["max_num_seqs"] = int(row["max_num_seqs"])
+    if _num(row, "max_num_batched_tokens") is not None:
+        engine["max_num_batched_tokens"] = int(row["max_num_batched_tokens"])
+    if str(row["dataset"]).startswith("ShareGPT") and lengths == "auto":
+        length_cfg: dict = {"source": "sharegpt"}
+    else:
+        # fixed-length dataset (or the "Mean" variant): every request has the run's mean lengths
+        length_cfg = {"source": "mean", "mean_in": float(row["total_input_tokens"]) / float(row["completed"]),
+                      "mean_out": float(row["total_output_tokens"]) / float(row["completed"])}
+        if str(row["dataset"]).startswith("ShareGPT"):
+            length_cfg = {"source": "mean"}      # the twin's ShareGPT means, 223 / 193
+    return {
+        "profile": MODEL_PROFILES[row["model"]],
+        "engine": engine,
+        "adapters": adapters,
+        "arrivals": {"process": "poisson"},
+        "lengths": length_cfg,
+        "duration_s": float(_num(row, "total_time", 3600)),
+        "seed": run_seed(row) if seed is None else seed,
+    }
+
+
+def workload_key(row) -> str:
+    """The workload a run belongs to (same family and A_max, varying served adapters)."""
+    return f"{row['experiment']}|max_loras={int(row['max_loras'])}"
+
+
+def smape(pred, real) -> float:
+    """SMAPE in percent: mean(|p - r| / ((|p| + |r|) / 2)) x 100, pairs with a missing value dropped."""
+    p = np.asarray(pred, float)
+    r = np.asarray(real, float)
+    ok = np.isfinite(p) & np.isfinite(r) & ((np.abs(p) + np.abs(r)) > 0)
+    if not ok.any():
+        return float("nan")
+    return float(np.mean(np.abs(p[ok] - r[ok]) / ((np.abs(p[ok]) + np.abs(r[ok])) / 2)) * 100)
