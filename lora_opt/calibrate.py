@@ -627,6 +627,7 @@ def fit_lora_v1(runs: pd.DataFrame, entry: ModelEntry, decode: FitResult) -> Fit
     for rank in sorted(set(ranks[np.isfinite(ranks)].astype(int))):
         sel = ranks == rank
         params, info = _fit_lora_factor(dist[sel], y[sel], base[sel])
+        params["ref_max_loras"] = int(np.median(_num(rows["max_loras"])[sel]))
         per_rank[rank] = params
         extra[f"rank_{rank}"] = {"r2": info["r2"], "n_points": int(sel.sum()),
                                  "n_sat_test": info["n_sat_test"],
@@ -669,6 +670,7 @@ def fit_lora_v0(runs: pd.DataFrame, entry: ModelEntry) -> FitResult:
     for rank in sorted(set(rk.astype(int))):
         sel = (rk == rank) & np.isfinite(x) & np.isfinite(y)
         params, info = _fit_lora_factor(x[sel], y[sel], np.ones(sel.sum()))
+        params["ref_max_loras"] = int(np.median(_num(rows["max_loras"])[_num(rows["restrict_loras"]) > 0]))
         per_rank[rank] = params
         extra[f"rank_{rank}"] = {"r2": info["r2"], "n_points": int(sel.sum()), "n_sat_test": info["n_sat_test"],
                                  "max_abs_rel_error": info["max_abs_rel_error"]}
@@ -680,9 +682,10 @@ def fit_lora_v0(runs: pd.DataFrame, entry: ModelEntry) -> FitResult:
 
 
 def _lora_factor(params: dict[str, float], d: np.ndarray) -> np.ndarray:
+    """1 + extra at the fitted runs' own slot count (where ``jump`` was measured)."""
     spec = LoraOverheadSpec(params["jump"], params["slope"], params["n_sat"])
-    return np.array([spec.factor(0) if v <= 0 else
-                     1.0 + spec.jump + spec.slope * v / (1.0 + v / spec.n_sat) for v in d])
+    return np.array([1.0 if v <= 0 else 1.0 + spec.jump + spec.slope * v / (1.0 + v / spec.n_sat)
+                     for v in d])
 
 
 def fit_decode_v0(runs: pd.DataFrame, entry: ModelEntry, lora: FitResult) -> FitResult:
@@ -977,8 +980,7 @@ def _profile_dict(entry: ModelEntry, fits: dict[str, FitResult | None], data_pat
                "per_token_ms": _sig(pre.params["per_token_ms"]),
                "per_ctx_ktoken_ms": _sig(dec.params["per_ctx_ktoken_ms"]),
                "lora": {int(r): {k: _sig(v) for k, v in p.items()} for r, p in lora.params.items()},
-               "sched_base_ms": 0.0, "sched_per_running_ms": 0.0, "sched_per_waiting_ms": 0.0,
-               "sched_waiting_cap": 1_000_000}
+               "sched_base_ms": 0.0, "sched_per_running_ms": 0.0, "sched_per_waiting_ms": 0.0}
     loading = {"cpu_to_gpu_ms": {int(r): _sig(v) for r, v in load.params["cpu_to_gpu_ms"].items()},
                "disk_to_cpu_ms": {int(r): _sig(v) for r, v in load.params["disk_to_cpu_ms"].items()}}
     data_rel = _rel_data_path(data_path)
@@ -1032,6 +1034,7 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
     out = Path(out)
     data_path = Path(runs_csv)
     prof = _profile_dict(entry, fits, data_path, out)
+    prof = _carry_e2e(prof, out)
     profile = profile_from_dict(prof, str(out))  # schema check before anything is written
     check = memory_check(runs, profile, entry.csv_name)
     prof["fit"]["memory_check"] = _clean(_check_summary(check))
@@ -1043,6 +1046,28 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
         from lora_opt import calibrate_report  # matplotlib only when a report is asked for
 
         calibrate_report.write_report(Path(report_dir), entry, prof, fits, check)
+    return prof
+
+
+E2E_LATENCY_KEYS = ("ttft_frontend_ms", "ttft_frontend_per_running_ms")
+E2E_LORA_KEYS = ("slot_share", "prefill_share")
+
+
+def _carry_e2e(prof: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Keep the end-to-end constants (``lora-opt calibrate-e2e``, fitted on half of the
+    end-to-end runs) of the profile being overwritten: they are not estimator fits."""
+    if not out.exists():
+        return prof
+    old = yaml.safe_load(out.read_text()) or {}
+    e2e = (old.get("fit") or {}).get("e2e")
+    if not e2e:
+        return prof
+    from lora_opt.e2e_fit import _with_params
+
+    p = e2e["params"]
+    prof = _with_params(prof, p["slot_share"], p["prefill_share"],
+                        (p["ttft_frontend_ms"], p["ttft_frontend_per_running_ms"]))
+    prof["fit"]["e2e"] = e2e
     return prof
 
 

@@ -91,6 +91,39 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_fidelity(args) -> int:
+    from lora_opt.fidelity import run_fidelity
+
+    cmd = "lora-opt fidelity" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
+    summary = run_fidelity(args.runs, family=args.family, out_dir=args.out, workers=args.workers,
+                           ray_address=args.ray_address, command=cmd)
+    o = summary["smape"]["report half"]
+    print(f"{summary['n_runs']} runs in {summary['wall_s']:.0f} s; report half ({o['n_runs']} runs), SMAPE % "
+          "(ours sharegpt / ours mean / published twin on its runs):")
+    for name in ("throughput", "itl_mean", "ttft_mean", "tpot_mean", "running_mean"):
+        e = o[name]
+        peer = f" / {e['peer']:.1f}" if e.get("peer") is not None and e.get("peer_runs") else ""
+        print(f"  {name:<13} {e['sharegpt']:6.1f} / {e['mean']:6.1f}{peer}")
+    mp = summary["max_pack"]
+    print(f"  Max_pack exact {mp['exact']}/{mp['n']}, within one step {mp['within_one']}/{mp['n']}")
+    print(f"report -> {args.out}/report.md")
+    return 0
+
+
+def cmd_calibrate_e2e(args) -> int:
+    from lora_opt.e2e_fit import FIT_HALF, fit_model
+
+    models = [args.model] if args.model else sorted(FIT_HALF)
+    for m in models:
+        if m not in FIT_HALF:
+            from twin.errors import ScenarioError
+            raise ScenarioError(f"--model {m!r}: allowed values: {', '.join(sorted(FIT_HALF))}")
+        rec = fit_model(m, args.runs, workers=args.workers)
+        print(f"{m}: {rec['params']} (fit half {rec['fit_half']!r}, {rec['fit_runs']} runs, "
+              f"loss {rec['fit_half_loss']:.2f} %, {rec['wall_s']:.0f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-opt",
@@ -120,6 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="profile YAML to write")
     c.add_argument("--report", help="directory for the fit report (markdown + PNG)")
     c.set_defaults(func=cmd_calibrate)
+
+    e = sub.add_parser("calibrate-e2e", help="fit the constants only end-to-end runs identify, on half of them")
+    e.add_argument("--model", help="model name as in the CSV (default: every bundled model)")
+    e.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"))
+    e.add_argument("--workers", type=int, help="parallel workers (default: all cores)")
+    e.set_defaults(func=cmd_calibrate_e2e)
+
+    f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
+    f.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"),
+                   help="real runs CSV (default: the bundled one)")
+    f.add_argument("--family", help="only experiments containing this text (e.g. rank_16_rates_1.6)")
+    f.add_argument("--out", default="outputs/fidelity", help="report directory")
+    f.add_argument("--workers", type=int, help="parallel workers (1 = serial, no Ray; default: all cores)")
+    f.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+    f.set_defaults(func=cmd_fidelity)
     return p
 
 

@@ -28,6 +28,11 @@ MODEL_PROFILES = {
     "llama-2-7b": "llama-2-7b-h100-64gb",
 }
 
+#: the papers' benchmark client: never more than this many requests in flight (running + waiting)
+#: in any run of the fit halves (max of running_max + waiting_max, lora_opt.e2e_fit.observed_inflight_cap);
+#: excess requests failed (real TTFT at saturation equals the server queueing time).
+BENCHMARK_CLIENT = {"max_inflight": 27934, "overflow": "drop"}
+
 #: end-to-end families used for validation (never for fitting)
 VALIDATION_FAMILIES = ("digital_twin_modelling/real_results", "motivation_figure/with_slots")
 
@@ -97,6 +102,7 @@ def run_to_scenario(row, lengths: str = "auto", seed: int | None = None) -> dict
         "arrivals": {"process": "poisson"},
         "lengths": length_cfg,
         "duration_s": float(_num(row, "total_time", 3600)),
+        "client": dict(BENCHMARK_CLIENT),
         "seed": run_seed(row) if seed is None else seed,
     }
 

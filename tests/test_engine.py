@@ -22,6 +22,7 @@ scenarios = st.fixed_dictionaries({
     "policy": st.sampled_from(["lru", "fifo"]),
     "seed": st.integers(0, 10_000),
     "profile": st.sampled_from(["llama-3.1-8b-h100-64gb", "tests/data/profile-0.33.yaml"]),
+    "client": st.sampled_from([{}, {"max_inflight": 5, "overflow": "drop"}, {"max_inflight": 7, "overflow": "wait"}]),
 })
 
 
@@ -35,7 +36,7 @@ def _build(p):
         "adapters": [{"count": c, "rank": r, "rate": q} for c, r, q in p["groups"]],
         "arrivals": {"process": p["process"]},
         "lengths": {"source": p["lengths"]},
-        "duration_s": 40, "seed": p["seed"],
+        "duration_s": 40, "seed": p["seed"], "client": p["client"],
     })
 
 
@@ -154,3 +155,33 @@ def test_fast_forward_changes_nothing(p):
     assert a.to_dict() == b.to_dict() and a.steps == b.steps
     for k in a.timeseries:
         assert np.array_equal(a.timeseries[k], b.timeseries[k])
+
+
+def test_client_cap_drops_or_holds_excess_requests():
+    over = dict(adapters=[{"count": 4, "rank": 8, "rate": 20.0}], duration_s=60)
+    free = twin.simulate(scenario_from_dict(small_scenario(**over)), check_invariants=True)
+    drop = twin.simulate(scenario_from_dict(small_scenario(**over, client={"max_inflight": 50})),
+                         check_invariants=True)
+    wait = twin.simulate(scenario_from_dict(small_scenario(**over, client={"max_inflight": 50, "overflow": "wait"})),
+                         check_invariants=True)
+    assert free.dropped == 0 and wait.dropped == 0 and drop.dropped > 0
+    assert drop.running_mean + drop.waiting_mean <= 50 and wait.running_mean + wait.waiting_mean <= 50
+    # held requests count their time at the client in TTFT; dropped ones are not measured at all
+    assert wait.ttft_ms["median"] > drop.ttft_ms["median"]
+
+
+def test_frontend_ttft_terms_add_to_every_first_token(tmp_path):
+    import yaml
+    from twin.paths import PROFILES_DIR
+    prof = yaml.safe_load((PROFILES_DIR / "llama-3.1-8b-h100-64gb.yaml").read_text())
+    prof["latency"]["ttft_frontend_ms"] = 0.0
+    prof["latency"]["ttft_frontend_per_running_ms"] = 0.0
+    p0 = tmp_path / "p0.yaml"
+    p0.write_text(yaml.safe_dump(prof))
+    prof["latency"]["ttft_frontend_ms"] = 7.0
+    p1 = tmp_path / "p1.yaml"
+    p1.write_text(yaml.safe_dump(prof))
+    a = twin.simulate(scenario_from_dict(small_scenario(profile=str(p0))))
+    b = twin.simulate(scenario_from_dict(small_scenario(profile=str(p1))))
+    assert b.ttft_ms["mean"] == pytest.approx(a.ttft_ms["mean"] + 7.0)
+    assert b.itl_ms == a.itl_ms and b.throughput_tok_s == a.throughput_tok_s

@@ -65,30 +65,34 @@ def _evict(resident, stamp, n_adapters):
 
 
 @njit(cache=True)
-def _step_seconds(n_seqs, n_tokens, ctx, n_distinct, n_running, n_waiting, load_ms,
+def _step_seconds(n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, load_ms,
                   base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms, lora_jump, lora_slope,
-                  lora_nsat, sched_base_ms, sched_per_running_ms, sched_per_waiting_ms,
-                  sched_waiting_cap):
-    """Step time = scheduler + adapter loads + forward pass (the profile's estimators)."""
-    model = (base_ms + per_seq_ms * n_seqs + per_token_ms * (n_tokens - n_seqs)
-             + per_ctx_ktoken_ms * ctx / 1000.0)
+                  lora_nsat, lora_prefill_share, sched_base_ms, sched_per_running_ms,
+                  sched_per_waiting_ms):
+    """Step time = scheduler + adapter loads + forward pass (the profile's estimators).
+    The LoRA factor multiplies the per-sequence (decode-like) part; prefill tokens beyond one per
+    sequence pay ``lora_prefill_share`` of the extra cost."""
+    decode = base_ms + per_seq_ms * n_seqs + per_ctx_ktoken_ms * ctx / 1000.0
+    prefill = per_token_ms * (n_tokens - n_seqs)
     if n_distinct > 0:
-        model *= 1.0 + lora_jump + lora_slope * n_distinct / (1.0 + n_distinct / lora_nsat)
-    w = n_waiting if n_waiting < sched_waiting_cap else sched_waiting_cap
-    sched = sched_base_ms + sched_per_running_ms * n_running + sched_per_waiting_ms * w
+        extra = lora_jump + lora_slope * n_distinct / (1.0 + n_distinct / lora_nsat)
+        model = decode * (1.0 + extra) + prefill * (1.0 + lora_prefill_share * extra)
+    else:
+        model = decode + prefill
+    sched = sched_base_ms + sched_per_running_ms * n_running + sched_per_waiting_ms * n_scanned
     return (sched + load_ms + model) / 1000.0
 
 
 @njit(cache=True)
-def _check_invariants(t, t_end, arrived, n_waiting, n_running, n_finished, running, held,
+def _check_invariants(t, t_end, arrived, n_dropped, n_waiting, n_running, n_finished, running, held,
                       generated, out_len, free_blocks, kv_blocks, batch, n_batch, req_adapter,
                       max_loras, lora_set_rule, n_gpu, max_cpu_loras, n_cpu, gpu_res, cpu_res,
                       step):
     """The simulator's invariants after one step (used by the property tests)."""
     if not t_end > t:
         raise AssertionError("the clock did not move forward")
-    if n_waiting + n_running + n_finished != arrived:
-        raise AssertionError("an arrived request is neither finished, running nor waiting")
+    if n_waiting + n_running + n_finished + n_dropped != arrived:
+        raise AssertionError("an arrived request is neither finished, running, waiting nor dropped")
     if free_blocks < 0 or free_blocks > kv_blocks:
         raise AssertionError("KV blocks in use exceed the capacity")
     used = 0
@@ -129,11 +133,11 @@ def run_engine(
     cpu_load_ms, disk_load_ms, gpu_resident0, cpu_resident0, gpu_stamp0, cpu_stamp0,
     # engine configuration
     max_loras, max_cpu_loras, max_num_seqs, max_num_batched_tokens, kv_blocks, block_size,
-    lora_set_rule, reserve_full_prompt, cache_policy, duration,
+    lora_set_rule, reserve_full_prompt, cache_policy, duration, max_inflight, drop_overflow,
     # latency estimators (ms)
     base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms,
-    lora_jump, lora_slope, lora_nsat,
-    sched_base_ms, sched_per_running_ms, sched_per_waiting_ms, sched_waiting_cap,
+    lora_jump, lora_slope, lora_nsat, lora_prefill_share,
+    sched_base_ms, sched_per_running_ms, sched_per_waiting_ms,
     # early stop of certain starvation (disabled when stop_target <= 0)
     stop_target, stop_cap_tok_s, stop_token_factor, kv_tokens,
     # time series
@@ -151,10 +155,12 @@ def run_engine(
     generated = np.zeros(n_req, np.int32)     # output tokens sampled so far
     held = np.zeros(n_req, np.int32)          # KV blocks held
     first_t = np.full(n_req, np.nan)
+    first_running = np.zeros(n_req, np.int32)  # running requests when the first token came out
+    dropped = np.zeros(n_req, np.int8)
+    n_dropped = 0
     last_t = np.full(n_req, np.nan)
     finish_t = np.full(n_req, np.nan)
     sched_tok = np.zeros(n_req, np.int32)     # tokens scheduled in the current step
-    n_preempt_req = np.zeros(n_req, np.int32)
 
     # waiting: global FCFS doubly linked list + one FIFO per adapter, ordered by key
     gnext = np.full(n_req, _NONE, np.int32)
@@ -163,6 +169,7 @@ def run_engine(
     aprev = np.full(n_req, _NONE, np.int32)
     key = np.zeros(n_req, np.int32)
     ahead = np.full(n_ad, _NONE, np.int64)
+    a_wait = np.zeros(n_ad, np.int64)          # waiting requests per adapter
     atail = np.full(n_ad, _NONE, np.int64)
     ghead = _NONE
     gtail = _NONE
@@ -224,6 +231,14 @@ def run_engine(
     while True:
         # ---- arrivals -----------------------------------------------------------------
         while next_arr < n_req and arrival[next_arr] <= t:
+            if n_running + n_waiting >= max_inflight:
+                # the client cannot place the request: it fails (drop) or waits for a free slot
+                if drop_overflow:
+                    dropped[next_arr] = 1
+                    n_dropped += 1
+                    next_arr += 1
+                    continue
+                break
             r = next_arr
             a = req_adapter[r]
             key[r] = tail_key
@@ -243,6 +258,7 @@ def run_engine(
                 ahead[a] = r
             atail[a] = r
             n_waiting += 1
+            a_wait[a] += 1
             next_arr += 1
 
         # ---- time series (state at the start of the step) -------------------------------
@@ -300,7 +316,6 @@ def run_engine(
                 free_blocks += held[victim]
                 held[victim] = 0
                 computed[victim] = 0
-                n_preempt_req[victim] += 1
                 preemptions += 1
                 preempted = True
                 va = req_adapter[victim]
@@ -321,6 +336,7 @@ def run_engine(
                     atail[va] = victim
                 ahead[va] = victim
                 n_waiting += 1
+                a_wait[va] += 1
                 if victim == r:
                     scheduled = False
                     break
@@ -349,12 +365,29 @@ def run_engine(
                     n_set += 1
 
         # ---- WAITING loop ---------------------------------------------------------------
+        # vLLM walks the waiting queue in order and skips requests blocked by the LoRA gate; we
+        # jump straight to admissible ones but count the entries vLLM would visit (``scanned``),
+        # which the scheduler-time estimator charges.  In the gated phase the count is exact when
+        # the queue is exhausted and estimated from the in-set share of waiting requests otherwise.
         n_from_running = n_batch
+        scanned = 0
         if not preempted:
+            gated = False
+            w0 = 0
+            ws0 = 0
+            k2 = 0
+            exhausted = False
+            kv_blocked = False
             while budget > 0 and n_running < max_num_seqs and n_waiting > 0:
                 if n_set < max_loras:
                     r = ghead
+                    scanned += 1
                 else:
+                    if not gated:
+                        gated = True
+                        w0 = n_waiting
+                        for j in range(n_set):
+                            ws0 += a_wait[set_list[j]]
                     r = _NONE
                     best = np.int64(2**62)
                     for j in range(n_set):
@@ -363,6 +396,7 @@ def run_engine(
                             best = key[h]
                             r = h
                     if r == _NONE:
+                        exhausted = True
                         break
                 a = req_adapter[r]
                 total = in_len[r] + generated[r]
@@ -370,7 +404,10 @@ def run_engine(
                 reserve = total if reserve_full_prompt else num_new
                 need = (reserve + block_size - 1) // block_size
                 if need > free_blocks:
+                    kv_blocked = True
                     break
+                if gated:
+                    k2 += 1
                 # unlink from both waiting lists
                 if gprev[r] != _NONE:
                     gnext[gprev[r]] = gnext[r]
@@ -389,6 +426,7 @@ def run_engine(
                 else:
                     atail[a] = aprev[r]
                 n_waiting -= 1
+                a_wait[a] -= 1
                 alloc = (num_new + block_size - 1) // block_size
                 free_blocks -= alloc
                 held[r] = alloc
@@ -403,6 +441,13 @@ def run_engine(
                     set_stamp[a] = step
                     set_list[n_set] = a
                     n_set += 1
+
+            if gated:
+                if exhausted:
+                    scanned += w0
+                else:
+                    visited = k2 + (1 if kv_blocked else 0)
+                    scanned += min(w0, (visited * w0 + max(ws0, 1) - 1) // max(ws0, 1))
 
         if n_batch == 0:
             # Nothing fits (all running preempted themselves); wait for the next arrival or stop.
@@ -450,10 +495,10 @@ def run_engine(
                 gpu_stamp[a] = clock
 
         # ---- step time --------------------------------------------------------------------
-        dt = _step_seconds(n_batch, n_tokens, ctx, n_distinct, n_running, n_waiting, load_ms,
+        dt = _step_seconds(n_batch, n_tokens, ctx, n_distinct, n_running, scanned, load_ms,
                            base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms, lora_jump,
-                           lora_slope, lora_nsat, sched_base_ms, sched_per_running_ms,
-                           sched_per_waiting_ms, sched_waiting_cap)
+                           lora_slope, lora_nsat, lora_prefill_share, sched_base_ms,
+                           sched_per_running_ms, sched_per_waiting_ms)
         t_end = t + dt
         dt_in = min(t_end, duration) - t
         running_area += n_running * dt_in
@@ -470,6 +515,7 @@ def run_engine(
                 generated[r] += 1
                 if generated[r] == 1:
                     first_t[r] = t_end
+                    first_running[r] = n_running
                 elif last_t[r] == t:
                     regular += 1
                 else:
@@ -500,7 +546,7 @@ def run_engine(
                 k += 1
         n_running = k
         if check:
-            _check_invariants(t, t_end, next_arr, n_waiting, n_running, n_finished, running, held,
+            _check_invariants(t, t_end, next_arr, n_dropped, n_waiting, n_running, n_finished, running, held,
                               generated, out_len, free_blocks, kv_blocks, batch, n_batch,
                               req_adapter, max_loras, lora_set_rule, n_gpu, max_cpu_loras, n_cpu,
                               gpu_res, cpu_res, step)
@@ -540,10 +586,10 @@ def run_engine(
                 if need > free_blocks:
                     break
                 free_blocks -= need
-                dt = _step_seconds(n_batch, n_batch, ctx_ff, n_distinct, n_running, n_waiting, 0.0,
+                dt = _step_seconds(n_batch, n_batch, ctx_ff, n_distinct, n_running, scanned, 0.0,
                                    base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms, lora_jump,
-                                   lora_slope, lora_nsat, sched_base_ms, sched_per_running_ms,
-                                   sched_per_waiting_ms, sched_waiting_cap)
+                                   lora_slope, lora_nsat, lora_prefill_share, sched_base_ms,
+                                   sched_per_running_ms, sched_per_waiting_ms)
                 t_end = t + dt
                 dt_in = min(t_end, duration) - t
                 running_area += n_running * dt_in
@@ -565,8 +611,7 @@ def run_engine(
                     held[r] = (computed[r] + block_size - 1) // block_size
                     last_t[r] = t
 
-    counters = np.array([step, preemptions, loads_cpu, loads_disk, ts_next],
-                        np.int64)
+    counters = np.array([step, preemptions, loads_cpu, loads_disk, ts_next, n_dropped], np.int64)
     areas = np.array([running_area, waiting_area, min(t, duration), stopped_at])
-    return (first_t, last_t, finish_t, n_preempt_req, step_dur[:n_steps_rec], step_cnt[:n_steps_rec],
+    return (first_t, first_running, finish_t, dropped, step_dur[:n_steps_rec], step_cnt[:n_steps_rec],
             irr[:n_irr], ts_running, ts_waiting, ts_kv, ts_loaded, counters, areas)

@@ -109,23 +109,36 @@ class MemorySpec:
 
 @dataclass(frozen=True)
 class LoraOverheadSpec:
-    """Multiplicative cost of LoRA kernels on the forward pass.
+    """Relative cost of LoRA kernels on the forward pass.
 
-    ``factor(n) = 1 + jump + slope * n / (1 + n / n_sat)`` for n >= 1 distinct adapters in the
-    batch, 1 for n = 0.  ``n_sat = inf`` gives the papers' linear model.
+    ``extra(n, A) = jump * (1 - slot_share + slot_share * A / ref_max_loras)
+    + slope * n / (1 + n / n_sat)`` for n >= 1 distinct adapters in the batch and A = max_loras
+    slots (0 for n = 0).  The per-sequence (decode) part of a step is multiplied by ``1 + extra``,
+    prefill tokens by ``1 + prefill_share * extra``.  ``n_sat = inf`` is the papers' linear model.
     """
 
     jump: float
-    """Relative extra cost of the first adapter (measured ~1.0: 17.1 ms -> 35.4 ms)."""
+    """Relative extra cost of the first adapter, measured at ``ref_max_loras`` slots."""
     slope: float
     """Relative extra cost per further distinct adapter, at small n."""
     n_sat: float = math.inf
-    """Saturation scale of the per-adapter cost (the measured curve flattens beyond ~128)."""
+    """Saturation scale of the per-adapter cost (inf = linear)."""
+    ref_max_loras: float = 300.0
+    """``max_loras`` of the runs ``jump`` was measured on."""
+    slot_share: float = 0.0
+    """Share of ``jump`` that scales with the number of slots (vLLM 0.8.5's kernels are launched
+    over all ``max_loras`` slots); 0 = independent of slots."""
+    prefill_share: float = 1.0
+    """Share of the LoRA extra cost paid by prefill tokens (compute-bound GEMMs hide part of it);
+    1 = the papers' model, the whole step is multiplied."""
 
-    def factor(self, n_adapters: int) -> float:
+    def jump_at(self, max_loras: int) -> float:
+        return self.jump * (1.0 - self.slot_share + self.slot_share * max_loras / self.ref_max_loras)
+
+    def extra(self, n_adapters: int, max_loras: int) -> float:
         if n_adapters <= 0:
-            return 1.0
-        return 1.0 + self.jump + self.slope * n_adapters / (1.0 + n_adapters / self.n_sat)
+            return 0.0
+        return self.jump_at(max_loras) + self.slope * n_adapters / (1.0 + n_adapters / self.n_sat)
 
 
 @dataclass(frozen=True)
@@ -142,13 +155,18 @@ class LatencySpec:
     """Attention cost per 1000 tokens of context (KV already computed) of scheduled sequences."""
     lora: dict[int, LoraOverheadSpec] = field(default_factory=dict)
     """LoRA overhead by ``max_lora_rank``; the nearest rank is used when one is missing."""
+    ttft_frontend_ms: float = 0.0
+    """Time the front end (API server, IPC, detokenizer, streaming) adds to every first token."""
+    ttft_frontend_per_running_ms: float = 0.0
+    """Front-end time per running request when the first token comes out (every running request
+    streams a chunk per step through the same API server)."""
     sched_base_ms: float = 0.0
     """Scheduler CPU time per step."""
     sched_per_running_ms: float = 0.0
     """Scheduler time per running request."""
     sched_per_waiting_ms: float = 0.0
-    """Scheduler time per waiting request (bounded scan; capped at ``sched_waiting_cap``)."""
-    sched_waiting_cap: int = 1_000_000
+    """Scheduler time per waiting request the admission loop visits (vLLM's Python scheduler walks
+    the waiting queue past every request the LoRA gate skips)."""
     """Waiting requests beyond this add no scheduler time."""
 
     def lora_for_rank(self, max_lora_rank: int) -> LoraOverheadSpec:
@@ -158,14 +176,16 @@ class LatencySpec:
         return self.lora[best]
 
     def model_ms(self, n_seqs: int, n_tokens: int, ctx_tokens: int, n_adapters: int,
-                 max_lora_rank: int) -> float:
-        base = (self.base_ms + self.per_seq_ms * n_seqs + self.per_token_ms * (n_tokens - n_seqs)
-                + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0)
-        return base * self.lora_for_rank(max_lora_rank).factor(n_adapters)
+                 max_lora_rank: int, max_loras: int) -> float:
+        """Forward-pass time (the engine kernel computes the same in ``_step_seconds``)."""
+        lora = self.lora_for_rank(max_lora_rank)
+        extra = lora.extra(n_adapters, max_loras)
+        decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0
+        prefill = self.per_token_ms * (n_tokens - n_seqs)
+        return decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share * extra)
 
-    def scheduler_ms(self, n_running: int, n_waiting: int) -> float:
-        return (self.sched_base_ms + self.sched_per_running_ms * n_running
-                + self.sched_per_waiting_ms * min(n_waiting, self.sched_waiting_cap))
+    def scheduler_ms(self, n_running: int, n_scanned: int) -> float:
+        return self.sched_base_ms + self.sched_per_running_ms * n_running + self.sched_per_waiting_ms * n_scanned
 
 
 @dataclass(frozen=True)

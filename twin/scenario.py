@@ -104,6 +104,21 @@ class LengthConfig:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """The client sending the requests (a benchmark harness or a gateway)."""
+
+    max_inflight: int | None = None
+    """Cap on requests at the server (running + waiting); None = unbounded. The papers' benchmark
+    client never had more than ~25.4k in flight (running + waiting maxima of the real runs)."""
+    overflow: str = "drop"
+    """What happens to a request arriving at the cap: drop (it fails and is not counted) or wait
+    (the client holds it until a slot frees; its TTFT still counts from its arrival)."""
+
+
+OVERFLOW_POLICIES = ("drop", "wait")
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One vLLM instance, its adapters and their traffic, simulated for ``duration_s``."""
 
@@ -124,6 +139,8 @@ class Scenario:
     """Stop as soon as starvation is certain (recorded as ``stopped_early_s``)."""
     timeseries_interval_s: float = 1.0
     """Sampling interval of the time series (> 0)."""
+    client: ClientConfig = ClientConfig()
+    """The load generator's limits."""
 
     # ---- derived ------------------------------------------------------------------------------
     def load_profile(self) -> Profile:
@@ -261,6 +278,7 @@ def scenario_from_dict(data: Any, where: str = "scenario") -> Scenario:
                 adapters=_parse_adapters,
                 engine=lambda v, w: _build(EngineConfig, v, w),
                 arrivals=lambda v, w: _build(ArrivalConfig, v, w),
+                client=lambda v, w: _build(ClientConfig, v, w),
                 lengths=_parse_lengths)
     validate(sc, where)
     return sc
@@ -275,6 +293,9 @@ def validate(sc: Scenario, where: str = "scenario") -> None:
     _positive(sc.timeseries_interval_s, f"{where}.timeseries_interval_s")
     if not 0 < sc.rho <= 1:
         raise ScenarioError(f"{where}.rho: must be in (0, 1], got {sc.rho}")
+    if sc.client.max_inflight is not None and sc.client.max_inflight < 1:
+        raise ScenarioError(f"{where}.client.max_inflight: must be >= 1 (or null), got {sc.client.max_inflight}")
+    _choice(sc.client.overflow, OVERFLOW_POLICIES, f"{where}.client.overflow")
     if sc.seed < 0:
         raise ScenarioError(f"{where}.seed: must be >= 0, got {sc.seed}")
     if e.max_lora_rank is not None:

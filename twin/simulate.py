@@ -85,6 +85,7 @@ class Result:
     oom_reason: str = ""
     steps: int = 0
     arrived: int = 0
+    dropped: int = 0
     wall_s: float = 0.0
     engine: dict = field(default_factory=dict)
     timeseries: dict[str, np.ndarray] | None = None
@@ -103,12 +104,13 @@ def _initial_residency(n_ad: int, max_loras: int, max_cpu_loras: int):
     return gpu, cpu, stamp * gpu, stamp * cpu
 
 
-def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank: int) -> float:
+def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank: int, max_loras: int) -> float:
     """Sound upper bound on tokens/s the engine can process under the profile's step model:
     the cheapest full step (one adapter, all tokens in one sequence or all in decodes)."""
     lat = profile.latency
     n = max_num_batched_tokens
-    cheapest = min(lat.model_ms(1, n, 0, 1, max_lora_rank), lat.model_ms(n, n, 0, 1, max_lora_rank))
+    cheapest = min(lat.model_ms(1, n, 0, 1, max_lora_rank, max_loras),
+                   lat.model_ms(n, n, 0, 1, max_lora_rank, max_loras))
     return n / ((lat.sched_base_ms + cheapest) / 1000.0)
 
 
@@ -148,7 +150,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         tok = req.in_len + req.out_len
         factor = float((tok / np.maximum(tok - 1, 1)).max())
         stop_target = sc.rho * arrived_tokens
-        cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"])
+        cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
     else:
         factor, stop_target, cap = 1.0, 0.0, 0.0
     block = profile.memory.block_size
@@ -159,15 +161,17 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         kv_tokens // block, block,
         LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
         profile.reserve_full_prompt, POLICIES[eng["adapter_cache_policy"]].code, float(T),
+        sc.client.max_inflight if sc.client.max_inflight is not None else len(req) + 1,
+        sc.client.overflow == "drop",
         lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms,
-        lora.jump, lora.slope, lora.n_sat,
-        lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms, lat.sched_waiting_cap,
+        lora.jump_at(eng["max_loras"]), lora.slope, lora.n_sat, lora.prefill_share,
+        lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms,
         stop_target, cap, factor, kv_tokens,
         sc.timeseries_interval_s, check_invariants, fast_forward,
     )
-    (first_t, _last_t, finish_t, _npre, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv, ts_loaded,
-     counters, areas) = out
-    steps, preemptions, loads_cpu, loads_disk, n_ts = (int(x) for x in counters)
+    (first_t, first_running, finish_t, _dropped, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv,
+     ts_loaded, counters, areas) = out
+    steps, preemptions, loads_cpu, loads_disk, n_ts, n_dropped = (int(x) for x in counters)
     running_area, waiting_area, _t_end, stopped_at = (float(x) for x in areas)
 
     done = finish_t <= T                         # NaN compares False
@@ -175,7 +179,9 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     out_done = int(req.out_len[done].sum())
     thr_in, thr_out = in_done / T, out_done / T
     throughput = thr_in + thr_out
-    ttft = (first_t[done] - req.arrival[done]) * 1000.0
+    # the front end (API server, detokenizer, streaming) adds to the first token's latency
+    ttft = ((first_t[done] - req.arrival[done]) * 1000.0 + lat.ttft_frontend_ms
+            + lat.ttft_frontend_per_running_ms * first_running[done])
     multi = done & (req.out_len > 1)
     tpot = (finish_t[multi] - first_t[multi]) / (req.out_len[multi] - 1) * 1000.0
     itl_values = np.concatenate([step_dur, irr]) * 1000.0
@@ -194,5 +200,5 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         itl_ms=weighted_stats(itl_values, itl_counts), tpot_ms=_stats(tpot),
         running_mean=running_area / T, waiting_mean=waiting_area / T, preemptions=preemptions,
         adapter_loads_cpu=loads_cpu, adapter_loads_disk=loads_disk, kv_cache_tokens=int(kv_tokens),
-        stopped_early_s=stopped, steps=steps, arrived=len(req),
+        stopped_early_s=stopped, steps=steps, arrived=len(req), dropped=n_dropped,
         wall_s=time.perf_counter() - t_wall, engine=eng, timeseries=ts)
