@@ -170,8 +170,10 @@ MODELS: dict[str, ModelEntry] = {
         defaults=EngineDefaults(max_loras=1, max_lora_rank=16, max_num_seqs=256,
                                 max_num_batched_tokens=4096, gpu_memory_utilization=0.9),
         engine="v0", memory_max_num_seqs=4096,
-        notes=("lora_set_rule 'running' approximates V0's rule: a request is admitted only if its "
-               "adapter is in the running set or that set holds fewer than max_loras adapters.",)),
+        notes=("lora_set_rule 'running' is V0's rule: a request is admitted only if its adapter is "
+               "in the running set or that set holds fewer than max_loras adapters.",
+               "chunked_prefill false: V0 runs prefill-only steps (whole prompts) when it can admit, "
+               "decode steps otherwise.")),
 }
 
 
@@ -1009,6 +1011,7 @@ def _profile_dict(entry: ModelEntry, fits: dict[str, FitResult | None], data_pat
     }
     return {"name": entry.profile_name, "vllm_version": entry.vllm_version,
             "lora_set_rule": entry.lora_set_rule, "reserve_full_prompt": entry.reserve_full_prompt,
+            "chunked_prefill": entry.engine == "v1",
             "model": model, "memory": memory, "latency": latency, "loading": loading,
             "defaults": dataclasses.asdict(entry.defaults), "fit": _clean(fit)}
 

@@ -21,7 +21,7 @@ scenarios = st.fixed_dictionaries({
     "lengths": st.sampled_from(["sharegpt", "mean", "sharegpt-8k"]),
     "policy": st.sampled_from(["lru", "fifo"]),
     "seed": st.integers(0, 10_000),
-    "profile": st.sampled_from(["llama-3.1-8b-h100-64gb", "tests/data/profile-0.33.yaml"]),
+    "profile": st.sampled_from(["llama-3.1-8b-h100-64gb", "tests/data/profile-0.33.yaml", "llama-2-7b-h100-64gb"]),
     "client": st.sampled_from([{}, {"max_inflight": 5, "overflow": "drop"}, {"max_inflight": 7, "overflow": "wait"}]),
 })
 

@@ -133,7 +133,8 @@ def run_engine(
     cpu_load_ms, disk_load_ms, gpu_resident0, cpu_resident0, gpu_stamp0, cpu_stamp0,
     # engine configuration
     max_loras, max_cpu_loras, max_num_seqs, max_num_batched_tokens, kv_blocks, block_size,
-    lora_set_rule, reserve_full_prompt, cache_policy, duration, max_inflight, drop_overflow,
+    lora_set_rule, reserve_full_prompt, chunked_prefill, cache_policy, duration, max_inflight,
+    drop_overflow,
     # latency estimators (ms)
     base_ms, per_seq_ms, per_token_ms, per_ctx_ktoken_ms,
     lora_jump, lora_slope, lora_nsat, lora_prefill_share,
@@ -293,161 +294,175 @@ def run_engine(
         n_tokens = 0
         ctx = 0
 
-        # ---- RUNNING loop ---------------------------------------------------------------
-        i = 0
-        while i < n_running and budget > 0:
-            r = running[i]
-            a = req_adapter[r]
-            if (lora_set_rule == LORA_SET_SCHEDULED and set_stamp[a] != step
-                    and n_set >= max_loras):
-                # 0.8.5 would hand the worker more adapters than slots and crash; keep the
-                # request running but unscheduled this step (only reachable when the token
-                # budget is shared by more running requests than it can serve).
-                i += 1
-                continue
-            num_new = in_len[r] + generated[r] - computed[r]
-            if num_new > budget:
-                num_new = budget
-            need = (computed[r] + num_new + block_size - 1) // block_size - held[r]
-            scheduled = True
-            while need > free_blocks:
-                victim = running[n_running - 1]
-                n_running -= 1
-                free_blocks += held[victim]
-                held[victim] = 0
-                computed[victim] = 0
-                preemptions += 1
-                preempted = True
-                va = req_adapter[victim]
-                key[victim] = head_key
-                head_key -= 1
-                gnext[victim] = ghead
-                gprev[victim] = _NONE
-                if ghead != _NONE:
-                    gprev[ghead] = victim
-                else:
-                    gtail = victim
-                ghead = victim
-                aprev[victim] = _NONE
-                anext[victim] = ahead[va]
-                if ahead[va] != _NONE:
-                    aprev[ahead[va]] = victim
-                else:
-                    atail[va] = victim
-                ahead[va] = victim
-                n_waiting += 1
-                a_wait[va] += 1
-                if victim == r:
-                    scheduled = False
-                    break
-            if not scheduled:
-                break
-            free_blocks -= need
-            held[r] += need
-            sched_tok[r] = num_new
-            ctx += computed[r]
-            n_tokens += num_new
-            budget -= num_new
-            batch[n_batch] = r
-            n_batch += 1
-            if set_stamp[a] != step:
-                set_stamp[a] = step
-                set_list[n_set] = a
-                n_set += 1
-            i += 1
-
-        if lora_set_rule == LORA_SET_RUNNING:
-            for j in range(n_running):
-                a = req_adapter[running[j]]
-                if set_stamp[a] != step:
-                    set_stamp[a] = step
-                    set_list[n_set] = a
-                    n_set += 1
-
-        # ---- WAITING loop ---------------------------------------------------------------
-        # vLLM walks the waiting queue in order and skips requests blocked by the LoRA gate; we
-        # jump straight to admissible ones but count the entries vLLM would visit (``scanned``),
-        # which the scheduler-time estimator charges.  In the gated phase the count is exact when
-        # the queue is exhausted and estimated from the in-set share of waiting requests otherwise.
-        n_from_running = n_batch
+        # V1 (chunked prefill) serves RUNNING first, then admits from WAITING into the same step.
+        # V0 runs a prefill-only step when any waiting request is admitted, else a decode step.
+        admitted = 0
         scanned = 0
-        if not preempted:
-            gated = False
-            w0 = 0
-            ws0 = 0
-            k2 = 0
-            exhausted = False
-            kv_blocked = False
-            while budget > 0 and n_running < max_num_seqs and n_waiting > 0:
-                if n_set < max_loras:
-                    r = ghead
-                    scanned += 1
-                else:
-                    if not gated:
-                        gated = True
-                        w0 = n_waiting
-                        for j in range(n_set):
-                            ws0 += a_wait[set_list[j]]
-                    r = _NONE
-                    best = np.int64(2**62)
-                    for j in range(n_set):
-                        h = ahead[set_list[j]]
-                        if h != _NONE and key[h] < best:
-                            best = key[h]
-                            r = h
-                    if r == _NONE:
-                        exhausted = True
+        for phase in range(2):
+            if chunked_prefill:
+                do_running = phase == 0
+                do_waiting = phase == 1
+            else:
+                do_waiting = phase == 0
+                do_running = phase == 1 and n_batch == 0
+            if do_running:
+                # ---- RUNNING loop ---------------------------------------------------------------
+                i = 0
+                while i < n_running and budget > 0:
+                    r = running[i]
+                    a = req_adapter[r]
+                    if (lora_set_rule == LORA_SET_SCHEDULED and set_stamp[a] != step
+                            and n_set >= max_loras):
+                        # 0.8.5 would hand the worker more adapters than slots and crash; keep the
+                        # request running but unscheduled this step (only reachable when the token
+                        # budget is shared by more running requests than it can serve).
+                        i += 1
+                        continue
+                    num_new = in_len[r] + generated[r] - computed[r]
+                    if num_new > budget:
+                        num_new = budget
+                    need = (computed[r] + num_new + block_size - 1) // block_size - held[r]
+                    scheduled = True
+                    while need > free_blocks:
+                        victim = running[n_running - 1]
+                        n_running -= 1
+                        free_blocks += held[victim]
+                        held[victim] = 0
+                        computed[victim] = 0
+                        preemptions += 1
+                        preempted = True
+                        va = req_adapter[victim]
+                        key[victim] = head_key
+                        head_key -= 1
+                        gnext[victim] = ghead
+                        gprev[victim] = _NONE
+                        if ghead != _NONE:
+                            gprev[ghead] = victim
+                        else:
+                            gtail = victim
+                        ghead = victim
+                        aprev[victim] = _NONE
+                        anext[victim] = ahead[va]
+                        if ahead[va] != _NONE:
+                            aprev[ahead[va]] = victim
+                        else:
+                            atail[va] = victim
+                        ahead[va] = victim
+                        n_waiting += 1
+                        a_wait[va] += 1
+                        if victim == r:
+                            scheduled = False
+                            break
+                    if not scheduled:
                         break
-                a = req_adapter[r]
-                total = in_len[r] + generated[r]
-                num_new = total if total < budget else budget
-                reserve = total if reserve_full_prompt else num_new
-                need = (reserve + block_size - 1) // block_size
-                if need > free_blocks:
-                    kv_blocked = True
-                    break
-                if gated:
-                    k2 += 1
-                # unlink from both waiting lists
-                if gprev[r] != _NONE:
-                    gnext[gprev[r]] = gnext[r]
-                else:
-                    ghead = gnext[r]
-                if gnext[r] != _NONE:
-                    gprev[gnext[r]] = gprev[r]
-                else:
-                    gtail = gprev[r]
-                if aprev[r] != _NONE:
-                    anext[aprev[r]] = anext[r]
-                else:
-                    ahead[a] = anext[r]
-                if anext[r] != _NONE:
-                    aprev[anext[r]] = aprev[r]
-                else:
-                    atail[a] = aprev[r]
-                n_waiting -= 1
-                a_wait[a] -= 1
-                alloc = (num_new + block_size - 1) // block_size
-                free_blocks -= alloc
-                held[r] = alloc
-                running[n_running] = r
-                n_running += 1
-                sched_tok[r] = num_new
-                n_tokens += num_new
-                budget -= num_new
-                batch[n_batch] = r
-                n_batch += 1
-                if set_stamp[a] != step:
-                    set_stamp[a] = step
-                    set_list[n_set] = a
-                    n_set += 1
+                    free_blocks -= need
+                    held[r] += need
+                    sched_tok[r] = num_new
+                    ctx += computed[r]
+                    n_tokens += num_new
+                    budget -= num_new
+                    batch[n_batch] = r
+                    n_batch += 1
+                    if set_stamp[a] != step:
+                        set_stamp[a] = step
+                        set_list[n_set] = a
+                        n_set += 1
+                    i += 1
 
-            if gated:
-                if exhausted:
-                    scanned += w0
-                else:
-                    visited = k2 + (1 if kv_blocked else 0)
-                    scanned += min(w0, (visited * w0 + max(ws0, 1) - 1) // max(ws0, 1))
+            if do_waiting:
+                if lora_set_rule == LORA_SET_RUNNING:
+                    for j in range(n_running):
+                        a = req_adapter[running[j]]
+                        if set_stamp[a] != step:
+                            set_stamp[a] = step
+                            set_list[n_set] = a
+                            n_set += 1
+
+                # ---- WAITING loop ---------------------------------------------------------------
+                # vLLM walks the waiting queue in order and skips requests blocked by the LoRA gate; we
+                # jump straight to admissible ones but count the entries vLLM would visit (``scanned``),
+                # which the scheduler-time estimator charges.  In the gated phase the count is exact when
+                # the queue is exhausted and estimated from the in-set share of waiting requests otherwise.
+                if not preempted:
+                    gated = False
+                    w0 = 0
+                    ws0 = 0
+                    k2 = 0
+                    exhausted = False
+                    kv_blocked = False
+                    while budget > 0 and n_running < max_num_seqs and n_waiting > 0:
+                        if n_set < max_loras:
+                            r = ghead
+                            scanned += 1
+                        else:
+                            if not gated:
+                                gated = True
+                                w0 = n_waiting
+                                for j in range(n_set):
+                                    ws0 += a_wait[set_list[j]]
+                            r = _NONE
+                            best = np.int64(2**62)
+                            for j in range(n_set):
+                                h = ahead[set_list[j]]
+                                if h != _NONE and key[h] < best:
+                                    best = key[h]
+                                    r = h
+                            if r == _NONE:
+                                exhausted = True
+                                break
+                        a = req_adapter[r]
+                        total = in_len[r] + generated[r]
+                        if not chunked_prefill and total > budget:
+                            break                      # V0 schedules whole prompts only
+                        num_new = total if total < budget else budget
+                        reserve = total if reserve_full_prompt else num_new
+                        need = (reserve + block_size - 1) // block_size
+                        if need > free_blocks:
+                            kv_blocked = True
+                            break
+                        if gated:
+                            k2 += 1
+                        admitted += 1
+                        # unlink from both waiting lists
+                        if gprev[r] != _NONE:
+                            gnext[gprev[r]] = gnext[r]
+                        else:
+                            ghead = gnext[r]
+                        if gnext[r] != _NONE:
+                            gprev[gnext[r]] = gprev[r]
+                        else:
+                            gtail = gprev[r]
+                        if aprev[r] != _NONE:
+                            anext[aprev[r]] = anext[r]
+                        else:
+                            ahead[a] = anext[r]
+                        if anext[r] != _NONE:
+                            aprev[anext[r]] = aprev[r]
+                        else:
+                            atail[a] = aprev[r]
+                        n_waiting -= 1
+                        a_wait[a] -= 1
+                        alloc = (num_new + block_size - 1) // block_size
+                        free_blocks -= alloc
+                        held[r] = alloc
+                        running[n_running] = r
+                        n_running += 1
+                        sched_tok[r] = num_new
+                        n_tokens += num_new
+                        budget -= num_new
+                        batch[n_batch] = r
+                        n_batch += 1
+                        if set_stamp[a] != step:
+                            set_stamp[a] = step
+                            set_list[n_set] = a
+                            n_set += 1
+
+                    if gated:
+                        if exhausted:
+                            scanned += w0
+                        else:
+                            visited = k2 + (1 if kv_blocked else 0)
+                            scanned += min(w0, (visited * w0 + max(ws0, 1) - 1) // max(ws0, 1))
 
         if n_batch == 0:
             # Nothing fits (all running preempted themselves); wait for the next arrival or stop.
@@ -559,7 +574,7 @@ def run_engine(
         # an early-stop check or the end.  Those steps are taken here without touching the
         # requests; only the block allocations (periodic in the block size) are counted.
         if (fast_forward and not check and not preempted and load_ms == 0.0 and finished_now == 0
-                and n_from_running == n_batch and n_batch == n_running and n_tokens == n_batch):
+                and admitted == 0 and n_batch == n_running and n_tokens == n_batch):
             min_rem = np.int64(2**62)
             for m in range(block_size):
                 blocks_at[m] = 0

@@ -252,6 +252,9 @@ class Profile:
     memory: MemorySpec
     latency: LatencySpec
     loading: LoadingSpec
+    chunked_prefill: bool = True
+    """V1 chunked prefill (prefill chunks and decodes share a step); False = V0: a step is either
+    prefill-only (whole prompts) or decode-only."""
     defaults: EngineDefaults = EngineDefaults()
     fit: dict[str, Any] = field(default_factory=dict)
     """Provenance: data files, command, date, goodness of fit."""
@@ -333,6 +336,7 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
     return Profile(
         name=d["name"], vllm_version=str(d["vllm_version"]), lora_set_rule=d["lora_set_rule"],
         reserve_full_prompt=bool(d.get("reserve_full_prompt", True)),
+        chunked_prefill=bool(d.get("chunked_prefill", True)),
         model=_build(ModelSpec, d["model"], f"{where}.model"),
         memory=_build(MemorySpec, d["memory"], f"{where}.memory"),
         latency=_build(LatencySpec, lat, f"{where}.latency"),

@@ -160,7 +160,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         eng["max_loras"], eng["max_cpu_loras"], eng["max_num_seqs"], eng["max_num_batched_tokens"],
         kv_tokens // block, block,
         LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
-        profile.reserve_full_prompt, POLICIES[eng["adapter_cache_policy"]].code, float(T),
+        profile.reserve_full_prompt, profile.chunked_prefill, POLICIES[eng["adapter_cache_policy"]].code, float(T),
         sc.client.max_inflight if sc.client.max_inflight is not None else len(req) + 1,
         sc.client.overflow == "drop",
         lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms,
