@@ -31,7 +31,8 @@ def _build(p):
         "profile": p["profile"],
         "engine": {"max_loras": p["max_loras"], "max_cpu_loras": p["max_loras"] + p["cpu_extra"],
                    "max_lora_rank": 32, "max_num_seqs": p["max_num_seqs"],
-                   "max_num_batched_tokens": p["max_num_batched_tokens"],
+                   # vLLM 0.5.0 (no chunked prefill) requires a budget of at least max_model_len
+                   "max_num_batched_tokens": 4096 if p["profile"].startswith("llama-2") else p["max_num_batched_tokens"],
                    "adapter_cache_policy": p["policy"]},
         "adapters": [{"count": c, "rank": r, "rate": q} for c, r, q in p["groups"]],
         "arrivals": {"process": p["process"]},
@@ -57,7 +58,7 @@ def test_invariants_hold_every_step(p):
 @given(scenarios)
 def test_finished_requests_produced_exactly_their_tokens(p):
     sc = _build(p)
-    req = generate_requests(sc, 131072)
+    req = generate_requests(sc, sc.resolved_engine(sc.load_profile())["max_model_len"])
     res = twin.simulate(sc, requests=req)
     # completed requests' output tokens are exactly the sum of their out_len
     assert res.total_output_tokens <= int(req.out_len.sum())
@@ -185,3 +186,16 @@ def test_frontend_ttft_terms_add_to_every_first_token(tmp_path):
     b = twin.simulate(scenario_from_dict(small_scenario(profile=str(p1))))
     assert b.ttft_ms["mean"] == pytest.approx(a.ttft_ms["mean"] + 7.0)
     assert b.itl_ms == a.itl_ms and b.throughput_tok_s == a.throughput_tok_s
+
+
+def test_v0_budget_below_max_model_len_is_a_config_error():
+    import pytest
+    from twin import ScenarioError
+    with pytest.raises(ScenarioError, match="max_num_batched_tokens.*max_model_len"):
+        twin.simulate(scenario_from_dict(small_scenario(profile="llama-2-7b-h100-64gb")))
+
+
+def test_client_cap_of_one_serves_one_request_at_a_time():
+    sc = scenario_from_dict(small_scenario(client={"max_inflight": 1, "overflow": "wait"}))
+    res = twin.simulate(sc, check_invariants=True)
+    assert res.status == "ok" and 0 < res.completed < res.arrived and res.running_mean <= 1

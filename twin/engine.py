@@ -465,10 +465,11 @@ def run_engine(
                             scanned += min(w0, (visited * w0 + max(ws0, 1) - 1) // max(ws0, 1))
 
         if n_batch == 0:
-            # Nothing fits (all running preempted themselves); wait for the next arrival or stop.
-            if next_arr >= n_req:
+            # Nothing can run.  Only an arrival can change that; if none can come in (all arrived,
+            # or the client holds them at its in-flight cap) the engine is stalled for good.
+            if next_arr >= n_req or arrival[next_arr] <= t:
                 break
-            t = max(t, arrival[next_arr])
+            t = arrival[next_arr]
             continue
 
         # ---- adapter residency and load time --------------------------------------------

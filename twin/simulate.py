@@ -17,6 +17,7 @@ import numpy as np
 
 from twin.adapter_cache import POLICIES
 from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
+from twin.errors import ScenarioError
 from twin.profile import Profile
 from twin.scenario import Scenario
 from twin.workload import Requests, generate_requests
@@ -125,7 +126,15 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     starts, kv_tokens, reason = profile.startup_check(
         eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
         eng["max_num_batched_tokens"], eng["max_model_len"], eng["max_num_seqs"])
+    if not profile.chunked_prefill and eng["max_num_batched_tokens"] < eng["max_model_len"]:
+        raise ScenarioError(
+            f"engine.max_num_batched_tokens: {eng['max_num_batched_tokens']} < max_model_len "
+            f"{eng['max_model_len']}; vLLM {profile.vllm_version} without chunked prefill requires "
+            "max_num_batched_tokens >= max_model_len")
     req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
+    if len(req) and int((req.in_len + req.out_len).max()) > eng["max_model_len"]:
+        raise ScenarioError(f"requests: a request of {int((req.in_len + req.out_len).max())} tokens exceeds "
+                            f"max_model_len {eng['max_model_len']}")
     T = sc.duration_s
     arrived_tokens = int((req.in_len + req.out_len).sum())
     incoming = arrived_tokens / T
