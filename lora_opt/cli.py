@@ -124,6 +124,25 @@ def cmd_calibrate_e2e(args) -> int:
     return 0
 
 
+def cmd_dataset(args) -> int:
+    from lora_opt.dataset import generate
+
+    s = generate(args.profile, args.grid, args.out, workers=args.workers, ray_address=args.ray_address,
+                 limit=args.limit, tracking_uri=args.tracking_uri)
+    print(f"{s['rows']:,} rows in {args.out} ({s['rows_resumed']:,} already there, {s['rows_labelled_now']:,} "
+          f"labelled in {s['wall_s']:.1f} s, {s['rows_per_s']:.1f} rows/s); dataset hash {s['dataset_hash']}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from lora_opt.surrogate import train_cli
+
+    metrics = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
+    print(json.dumps(metrics, indent=2, default=str)[:4000])
+    print(f"surrogate -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-opt",
@@ -159,6 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"))
     e.add_argument("--workers", type=int, help="parallel workers (default: all cores)")
     e.set_defaults(func=cmd_calibrate_e2e)
+
+    d = sub.add_parser("dataset", help="label a grid of single-GPU configurations with the twin (Ray, resumable)")
+    d.add_argument("--profile", help="profile name or path (default: the grid file's profile)")
+    d.add_argument("--grid", required=True, help="grid YAML, or a bundled grid name (papers, tiny)")
+    d.add_argument("--out", required=True, help="dataset directory (Parquet shards); rerun to resume")
+    d.add_argument("--workers", type=int, help="parallel workers (1 = serial, no Ray; default: all cores)")
+    d.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+    d.add_argument("--limit", type=int, help="only the first N grid points")
+    d.add_argument("--tracking-uri", help="MLflow tracking URI (default: local mlruns/)")
+    d.set_defaults(func=cmd_dataset)
+
+    tr = sub.add_parser("train", help="train the throughput / starvation surrogates on a dataset, distil them")
+    tr.add_argument("--dataset", required=True, help="dataset directory written by lora-opt dataset")
+    tr.add_argument("--out", required=True, help="output directory for the models, rules and metrics")
+    tr.add_argument("--tracking-uri", help="MLflow tracking URI (default: local mlruns/)")
+    tr.add_argument("--fast", action="store_true", help="tiny hyper-parameter grids (smoke runs)")
+    tr.set_defaults(func=cmd_train)
 
     f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
     f.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"),

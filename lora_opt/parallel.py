@@ -56,6 +56,30 @@ def _batches(items: Sequence, size: int) -> Iterable[tuple[int, list]]:
         yield i, list(items[i:i + size])
 
 
+def use_ray(workers: int | None, ray_address: str | None) -> bool:
+    """Serial in this process only when asked for one worker and no cluster is named."""
+    return not (workers == 1 and not (ray_address or os.environ.get("RAY_ADDRESS")))
+
+
+def run_batches(fn: Callable[[list], list], batches: Sequence[list], on_done: Callable[[int, list], None], *,
+                workers: int | None = None, ray_address: str | None = None) -> None:
+    """Run ``fn(batch)`` for every batch -- as Ray tasks, or serially -- and call
+    ``on_done(index, result)`` in the driver as each one finishes (in completion order)."""
+    if not use_ray(workers, ray_address):
+        for i, batch in enumerate(batches):
+            on_done(i, fn(batch))
+        return
+    import ray
+
+    init_ray(ray_address, workers)
+    remote = ray.remote(num_cpus=1)(fn)
+    pending = {remote.remote(batch): i for i, batch in enumerate(batches)}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            on_done(pending.pop(ref), ray.get(ref))
+
+
 def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_address: str | None = None,
                   batch_size: int | None = None, desc: str = "simulating", progress: bool = True) -> list[dict]:
     """Simulate every scenario; results in input order.
@@ -68,29 +92,16 @@ def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_
     n = len(scenarios)
     if n == 0:
         return []
-    bar = tqdm(total=n, desc=desc, unit="sim", disable=not progress, smoothing=0.1)
-    if workers == 1 and not (ray_address or os.environ.get("RAY_ADDRESS")):
-        out = []
-        for s in scenarios:
-            out.append(simulate_dict(s))
-            bar.update(1)
-        bar.close()
-        return out
-
-    import ray
-
-    init_ray(ray_address, workers)
-    remote = ray.remote(num_cpus=1)(_simulate_batch)
-    cpus = int(ray.cluster_resources().get("CPU", 1))
+    cpus = workers or os.cpu_count() or 1
     size = batch_size or max(1, min(16, n // (4 * cpus) or 1))
-    pending = {remote.remote(batch): start for start, batch in _batches(scenarios, size)}
+    starts_batches = list(_batches(scenarios, size))
     results: list[dict | None] = [None] * n
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        for ref in done:
-            start = pending.pop(ref)
-            rows = ray.get(ref)
+    with tqdm(total=n, desc=desc, unit="sim", disable=not progress, smoothing=0.1) as bar:
+        def done(i: int, rows: list) -> None:
+            start = starts_batches[i][0]
             results[start:start + len(rows)] = rows
             bar.update(len(rows))
-    bar.close()
+
+        run_batches(_simulate_batch, [b for _, b in starts_batches], done, workers=workers,
+                    ray_address=ray_address)
     return results  # type: ignore[return-value]

@@ -1,0 +1,314 @@
+"""Label a grid of single-GPU configurations with the twin: the surrogates' training data.
+
+``lora-opt dataset --profile P --grid GRID.yaml --out DIR`` expands the grid (see
+``configs/grids/papers.yaml``), splits its points into shards of consecutive point ids, labels each
+shard as one Ray task (or serially) and writes it as ``DIR/shard-NNNNN.parquet``.
+
+Crash safety: a shard is written to a temporary file and renamed into place, so a shard file is
+either complete or absent; ``DIR/manifest.json`` pins the grid (its hash), the profile and the twin
+version.  Rerunning after a kill (even ``kill -9``) skips every complete shard and labels the rest:
+no row is computed twice, none is missing.  Every point has its own seed (grid seed + point id),
+so serial and Ray runs give identical rows (except ``wall_s``, the measured simulation time).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lora_opt.features import gpu_features
+from twin.errors import ScenarioError
+from twin.paths import REPO_ROOT
+from twin.profile import VLLM_LORA_RANKS
+
+GRIDS_DIR = REPO_ROOT / "configs" / "grids"
+METRICS_FLAT = {  # result key -> column(s)
+    "ttft_ms": "ttft", "itl_ms": "itl", "tpot_ms": "tpot",
+}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A Cartesian grid of single-GPU workloads (the papers' dataset by default)."""
+
+    ranks: tuple[int, ...] = (8, 16, 32)
+    """Ranks the adapter groups draw from (combinations with repetition)."""
+    rates: tuple[float, ...] = (3.2, 1.6, 0.8, 0.4, 0.1, 0.05, 0.025, 0.0125, 0.00625, 0.003125)
+    """Per-adapter rates (req/s) the groups draw from (combinations with repetition)."""
+    groups: int = 3
+    """Adapter groups per workload: the served adapters are split evenly over them."""
+    served: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
+    """Numbers of adapters served by the GPU."""
+    max_loras: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
+    """A_max values; only those <= the served adapters are simulated."""
+    duration_s: float = 3600.0
+    """Simulated seconds per point."""
+    early_stop: bool = True
+    """Stop a point as soon as starvation is certain (recorded in ``stopped_early_s``)."""
+    rho: float = 0.9
+    """Starvation threshold of the labels."""
+    seed: int = 0
+    """Point ``i`` is simulated with seed ``seed + i``."""
+    lengths: str = "sharegpt"
+    """Length source of every point (see the scenario's ``lengths.source``)."""
+    engine: dict = field(default_factory=lambda: {"max_num_seqs": 2048, "max_num_batched_tokens": 2048})
+    """Fixed engine flags of every point (``max_loras``, ``max_lora_rank`` and ``max_cpu_loras``
+    come from the point: A_max, the smallest vLLM rank that fits, all adapters in CPU)."""
+    shard_size: int = 64
+    """Points per shard (one Ray task, one Parquet file)."""
+
+    def points(self) -> list[dict]:
+        """Every grid point, in a fixed order (point id = index)."""
+        out = []
+        for ranks in itertools.combinations_with_replacement(sorted(self.ranks), self.groups):
+            for rates in itertools.combinations_with_replacement(sorted(self.rates, reverse=True), self.groups):
+                for n in sorted(self.served):
+                    if n < self.groups:
+                        continue
+                    for a in sorted(self.max_loras):
+                        if a <= n:
+                            out.append({"ranks": list(ranks), "rates": list(rates), "n": n, "max_loras": a})
+        return out
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_grid(path: str | Path) -> tuple[str | None, Grid]:
+    """(profile named in the file or None, grid) from a grid YAML; errors name the field."""
+    p = Path(path)
+    if not p.exists() and (GRIDS_DIR / f"{path}.yaml").exists():
+        p = GRIDS_DIR / f"{path}.yaml"
+    if not p.exists():
+        raise ScenarioError(f"grid file not found: {path} (bundled grids: "
+                            f"{sorted(f.stem for f in GRIDS_DIR.glob('*.yaml'))})")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{p}: expected a mapping")
+    profile = data.pop("profile", None)
+    names = {f.name for f in dataclasses.fields(Grid)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ScenarioError(f"{p}: unknown field(s) {unknown}; allowed: {sorted(names | {'profile'})}")
+    for k in ("ranks", "rates", "served", "max_loras"):
+        if k in data:
+            if not isinstance(data[k], list) or not data[k]:
+                raise ScenarioError(f"{p}.{k}: expected a non-empty list")
+            data[k] = tuple(data[k])
+    grid = Grid(**data)
+    bad = [r for r in grid.ranks if not 1 <= r <= max(VLLM_LORA_RANKS)]
+    if bad:
+        raise ScenarioError(f"{p}.ranks: {bad} outside 1..{max(VLLM_LORA_RANKS)}")
+    if any(r <= 0 for r in grid.rates):
+        raise ScenarioError(f"{p}.rates: every rate must be > 0")
+    if grid.groups < 1 or grid.shard_size < 1:
+        raise ScenarioError(f"{p}: groups and shard_size must be >= 1")
+    return profile, grid
+
+
+def split_counts(n: int, groups: int) -> list[int]:
+    return [n // groups + (1 if k < n % groups else 0) for k in range(groups)]
+
+
+def point_scenario(point: dict, point_id: int, grid: Grid, profile: str) -> dict:
+    adapters = [{"count": c, "rank": r, "rate": q}
+                for c, r, q in zip(split_counts(point["n"], grid.groups), point["ranks"], point["rates"]) if c > 0]
+    max_rank = next(r for r in VLLM_LORA_RANKS if r >= max(point["ranks"]))
+    return {
+        "profile": profile,
+        "engine": {**grid.engine, "max_loras": point["max_loras"], "max_lora_rank": max_rank,
+                   "max_cpu_loras": max(point["n"], point["max_loras"])},
+        "adapters": adapters, "arrivals": {"process": "poisson"}, "lengths": {"source": grid.lengths},
+        "duration_s": grid.duration_s, "rho": grid.rho, "seed": grid.seed + point_id,
+        "early_stop": grid.early_stop,
+    }
+
+
+def _per_adapter(point: dict, groups: int) -> tuple[list[int], list[float]]:
+    ranks, rates = [], []
+    for c, r, q in zip(split_counts(point["n"], groups), point["ranks"], point["rates"]):
+        ranks += [r] * c
+        rates += [q] * c
+    return ranks, rates
+
+
+def label_points(items: list[dict]) -> list[dict]:
+    """Ray task / serial unit: simulate each point and return its rows."""
+    from lora_opt.parallel import simulate_dict
+
+    rows = []
+    for it in items:
+        res = simulate_dict(it["scenario"])
+        rows.append(make_row(it, res))
+    return rows
+
+
+def make_row(item: dict, res: dict) -> dict:
+    point, grid_groups = item["point"], item["groups"]
+    ranks, rates = _per_adapter(point, grid_groups)
+    row: dict[str, Any] = {"point_id": item["point_id"], **gpu_features(ranks, rates, point["max_loras"]),
+                           "group_ranks": ",".join(map(str, point["ranks"])),
+                           "group_rates": ",".join(repr(float(x)) for x in point["rates"])}
+    row["status"] = res.get("status")
+    row["error"] = res.get("error", "")
+    ok = res.get("status") in ("ok", "oom")
+    for k in ("throughput_tok_s", "input_throughput", "output_throughput", "running_mean", "waiting_mean"):
+        row[k] = float(res[k]) if ok else float("nan")
+    row["incoming_token_rate_twin"] = float(res["incoming_token_rate"]) if ok else float("nan")
+    row["starving"] = bool(res["starving"]) if ok else True
+    for key, col in METRICS_FLAT.items():
+        for stat in ("mean", "median", "p99"):
+            v = (res.get(key) or {}).get(stat) if ok else None
+            row[f"{col}_{stat}_ms"] = float("nan") if v is None else float(v)
+    for k in ("completed", "preemptions", "adapter_loads_cpu", "adapter_loads_disk", "kv_cache_tokens"):
+        row[k] = int(res[k]) if ok else -1
+    row["stopped_early_s"] = float("nan") if not ok or res["stopped_early_s"] is None else float(res["stopped_early_s"])
+    row["duration_s"] = float(item["scenario"]["duration_s"])
+    row["rho"] = float(item["scenario"]["rho"])
+    row["seed"] = int(item["scenario"]["seed"])
+    row["profile"] = item["profile_name"]
+    row["profile_hash"] = item["profile_hash"]
+    row["twin_version"] = item["twin_version"]
+    row["wall_s"] = float(res.get("wall_s", float("nan")))
+    return row
+
+
+def twin_version() -> str:
+    """Package version + a hash of the twin's source: rows say exactly which twin made them."""
+    import twin
+
+    h = hashlib.sha256()
+    for f in sorted(Path(twin.__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return f"{twin.__version__}+{h.hexdigest()[:10]}"
+
+
+def _profile_info(profile: str) -> tuple[str, str]:
+    from twin.profile import load_profile
+
+    p = load_profile(profile)
+    src = Path(p.source)
+    return p.name, hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+
+
+def shard_path(out: Path, i: int) -> Path:
+    return out / f"shard-{i:05d}.parquet"
+
+
+def _shard_complete(path: Path, expected_ids: list[int]) -> bool:
+    import pyarrow.parquet as pq
+
+    try:
+        ids = pq.read_table(path, columns=["point_id"]).column("point_id").to_pylist()
+    except Exception:  # noqa: BLE001 - unreadable = incomplete, it will be redone
+        return False
+    return ids == expected_ids
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    import pandas as pd
+
+    tmp = path.with_suffix(".parquet.tmp")
+    pd.DataFrame(rows).to_parquet(tmp, index=False)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)                 # atomic: a shard is complete or absent
+
+
+def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, workers: int | None = None,
+             ray_address: str | None = None, limit: int | None = None, progress: bool = True,
+             tracking_uri: str | None = None, track: bool = True) -> dict:
+    """Label the grid into ``out``; resumes where a previous run stopped. Returns a summary."""
+    from tqdm import tqdm
+
+    from lora_opt.parallel import run_batches
+
+    file_profile, grid = load_grid(grid_path)
+    profile = profile or file_profile
+    if not profile:
+        raise ScenarioError("dataset: no profile (give --profile or a 'profile:' field in the grid file)")
+    prof_name, prof_hash = _profile_info(profile)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    points = grid.points()
+    if limit is not None:
+        points = points[:limit]
+    manifest = {"grid": dataclasses.asdict(grid), "grid_hash": grid.hash(), "profile": prof_name,
+                "profile_hash": prof_hash, "twin_version": twin_version(), "n_points": len(points),
+                "shard_size": grid.shard_size}
+    mpath = out / "manifest.json"
+    if mpath.exists():
+        old = json.loads(mpath.read_text())
+        for k in ("grid_hash", "profile_hash", "twin_version", "n_points"):
+            if old.get(k) != manifest[k]:
+                raise ScenarioError(f"dataset: {out} holds a dataset with a different {k} "
+                                    f"({old.get(k)} != {manifest[k]}); use another --out directory")
+    else:
+        mpath.write_text(json.dumps(manifest, indent=2))
+    n_shards = (len(points) + grid.shard_size - 1) // grid.shard_size
+    todo, done_points = [], 0
+    for i in range(n_shards):
+        ids = list(range(i * grid.shard_size, min(len(points), (i + 1) * grid.shard_size)))
+        if shard_path(out, i).exists() and _shard_complete(shard_path(out, i), ids):
+            done_points += len(ids)
+            continue
+        items = [{"point": points[j], "point_id": j, "groups": grid.groups, "profile_name": prof_name,
+                  "profile_hash": prof_hash, "twin_version": manifest["twin_version"],
+                  "scenario": point_scenario(points[j], j, grid, profile)} for j in ids]
+        todo.append((i, items))
+    t0 = time.perf_counter()
+    labelled = 0
+    with tqdm(total=len(points), initial=done_points, desc="dataset", unit="row", disable=not progress,
+              smoothing=0.05) as bar:
+        def on_done(k: int, rows: list[dict]) -> None:
+            nonlocal labelled
+            _write_shard(shard_path(out, todo[k][0]), rows)
+            labelled += len(rows)
+            bar.update(len(rows))
+
+        run_batches(label_points, [items for _, items in todo], on_done, workers=workers, ray_address=ray_address)
+    wall = time.perf_counter() - t0
+    summary = {"out": str(out), "rows": len(points), "rows_labelled_now": labelled, "rows_resumed": done_points,
+               "shards": n_shards, "wall_s": wall, "rows_per_s": labelled / wall if wall > 0 else float("nan"),
+               "dataset_hash": dataset_hash(out), **{k: manifest[k] for k in ("grid_hash", "profile", "twin_version")}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if track:
+        from lora_opt.tracking import tracked_run
+
+        import mlflow
+        with tracked_run("dataset", run_name=f"{prof_name}-{manifest['grid_hash']}", tracking_uri=tracking_uri):
+            mlflow.log_params({"profile": prof_name, "grid_hash": manifest["grid_hash"], "points": len(points),
+                               "shard_size": grid.shard_size, "duration_s": grid.duration_s,
+                               "early_stop": grid.early_stop, "workers": workers or "all",
+                               "twin_version": manifest["twin_version"], "dataset_hash": summary["dataset_hash"]})
+            mlflow.log_metrics({"rows_labelled": labelled, "wall_s": wall,
+                                "rows_per_s": summary["rows_per_s"] if labelled else 0.0})
+            mlflow.log_artifact(str(mpath))
+    return summary
+
+
+def dataset_hash(out: str | Path) -> str:
+    """sha256 over the rows (wall time excluded), in point order: equal for serial and Ray runs."""
+    df = load_dataset(out)
+    h = hashlib.sha256()
+    h.update(df.drop(columns=["wall_s"]).to_csv(index=False).encode())
+    return h.hexdigest()[:16]
+
+
+def load_dataset(out: str | Path):
+    """Every shard of a dataset directory as one DataFrame, sorted by point id."""
+    import pandas as pd
+
+    files = sorted(Path(out).glob("shard-*.parquet"))
+    if not files:
+        raise ScenarioError(f"dataset: no shards in {out}")
+    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True).sort_values("point_id",
+                                                                                          ignore_index=True)
