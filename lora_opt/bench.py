@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 BASE = {"profile": "llama-3.1-8b-h100-64gb", "duration_s": 3600, "seed": 0,
         "engine": {"max_lora_rank": 16, "max_num_seqs": 2048, "max_num_batched_tokens": 2048}}
@@ -89,4 +90,39 @@ def bench_twin(out: str | None = None, repeats: int = 3) -> int:
     if out:
         with open(out, "w") as fh:
             json.dump(rows, fh, indent=2)
+    return 0
+
+
+def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
+    """Rows/s of labelling a random sample of a grid with 1 and 2 workers, and the extrapolated
+    time of the whole grid (Ray started and warmed before timing)."""
+    import random
+
+    from lora_opt import dataset as ds
+    from lora_opt.parallel import init_ray, run_batches
+
+    profile, g = ds.load_grid(grid)
+    points = g.points()
+    ids = sorted(random.Random(seed).sample(range(len(points)), min(sample, len(points))))
+    name, phash = ds._profile_info(profile)
+    items = [{"point": points[j], "point_id": j, "groups": g.groups, "profile_name": name, "profile_hash": phash,
+              "twin_version": "bench", "scenario": ds.point_scenario(points[j], j, g, profile)} for j in ids]
+    ds.label_points(items[:1])                                   # load the compiled kernel
+    t = time.perf_counter()
+    rows1 = ds.label_points(items)
+    serial = time.perf_counter() - t
+    init_ray(None, 2)
+    run_batches(ds.label_points, [items[:1], items[1:2]], lambda i, r: None, workers=2)   # warm workers
+    t = time.perf_counter()
+    got = []
+    half = [items[k::2] for k in range(2)]
+    batches = [b[i:i + 8] for b in half for i in range(0, len(b), 8)]
+    run_batches(ds.label_points, batches, lambda i, r: got.extend(r), workers=2)
+    two = time.perf_counter() - t
+    stopped = sum(1 for r in rows1 if r["stopped_early_s"] == r["stopped_early_s"])
+    r1, r2 = len(items) / serial, len(items) / two
+    print(f"grid {grid}: {len(points):,} points; sample of {len(items)} (seed {seed}), {stopped} stopped early")
+    print(f"1 worker : {r1:6.2f} rows/s   2 workers: {r2:6.2f} rows/s   speed-up {r2 / r1:.2f}x")
+    print(f"whole grid, extrapolated: {len(points) / r2 / 3600:.2f} h on 2 workers "
+          f"({len(points) / r1 / 3600:.2f} h on 1)")
     return 0

@@ -76,10 +76,12 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from lora_opt.bench import bench_twin
+    from lora_opt.bench import bench_dataset, bench_twin
 
     if args.what == "twin":
         return bench_twin(out=args.out, repeats=args.repeats)
+    if args.what == "dataset":
+        return bench_dataset(grid=args.grid, sample=args.sample)
     raise SystemExit(f"lora-opt bench: unknown benchmark {args.what!r}")
 
 
@@ -161,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks (speed and memory), reported as numbers, not tests")
-    b.add_argument("what", choices=["twin"], help="what to benchmark")
+    b.add_argument("what", choices=["twin", "dataset"], help="what to benchmark")
+    b.add_argument("--grid", default="papers", help="dataset: grid to sample (default: papers)")
+    b.add_argument("--sample", type=int, default=64, help="dataset: grid points to label per worker count")
     b.add_argument("--out", help="also write the results as JSON here")
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per scenario (best is kept)")
     b.set_defaults(func=cmd_bench)
