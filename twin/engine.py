@@ -53,6 +53,16 @@ def _grow(arr, n):
 
 
 @njit(cache=True)
+def _set_add(a, step, set_stamp, set_list, n_set):
+    """Add adapter ``a`` to this step's LoRA set; returns the new set size."""
+    if set_stamp[a] != step:
+        set_stamp[a] = step
+        set_list[n_set] = a
+        n_set += 1
+    return n_set
+
+
+@njit(cache=True)
 def _evict(resident, stamp, n_adapters):
     """Index of the resident adapter with the smallest stamp (LRU: last use; FIFO: load time)."""
     best = -1
@@ -363,20 +373,14 @@ def run_engine(
                     budget -= num_new
                     batch[n_batch] = r
                     n_batch += 1
-                    if set_stamp[a] != step:
-                        set_stamp[a] = step
-                        set_list[n_set] = a
-                        n_set += 1
+                    n_set = _set_add(a, step, set_stamp, set_list, n_set)
                     i += 1
 
             if do_waiting:
                 if lora_set_rule == LORA_SET_RUNNING:
                     for j in range(n_running):
                         a = req_adapter[running[j]]
-                        if set_stamp[a] != step:
-                            set_stamp[a] = step
-                            set_list[n_set] = a
-                            n_set += 1
+                        n_set = _set_add(a, step, set_stamp, set_list, n_set)
 
                 # ---- WAITING loop ---------------------------------------------------------------
                 # vLLM walks the waiting queue in order and skips requests blocked by the LoRA gate; we
@@ -452,10 +456,7 @@ def run_engine(
                         budget -= num_new
                         batch[n_batch] = r
                         n_batch += 1
-                        if set_stamp[a] != step:
-                            set_stamp[a] = step
-                            set_list[n_set] = a
-                            n_set += 1
+                        n_set = _set_add(a, step, set_stamp, set_list, n_set)
 
                     if gated:
                         if exhausted:
