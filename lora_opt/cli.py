@@ -139,9 +139,14 @@ def cmd_dataset(args) -> int:
 def cmd_train(args) -> int:
     from lora_opt.surrogate import train_cli
 
-    metrics = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
-    print(json.dumps(metrics, indent=2, default=str)[:4000])
-    print(f"surrogate -> {args.out}")
+    m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
+    ch = m["chosen"]
+    reg, clf = m["regressor"][ch["regressor"]], m["classifier"][ch["classifier"]]
+    print(f"throughput: {ch['regressor']}, held-out SMAPE {reg['test_smape']:.1f} %")
+    print(f"starvation: {ch['classifier']}, threshold {ch['threshold']:.3f}; held-out "
+          + ", ".join(f"{k} {v:.3g}" for k, v in clf["test"].items() if isinstance(v, float)))
+    print("distilled : " + ", ".join(f"{k} {v} leaves" for k, v in m['distilled']['leaves'].items()))
+    print(f"surrogate -> {args.out} (surrogate.joblib, distilled.json, rules.txt, metrics.json)")
     return 0
 
 

@@ -1,0 +1,173 @@
+"""Surrogates end to end on a small twin dataset: training with fast grids into a temporary MLflow
+store, the <= 1 % false-feasible threshold, save/load, the files of ``train_cli``, bad input."""
+import functools
+import itertools
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lora_opt import dataset as ds
+from lora_opt import surrogate as sg
+from lora_opt.features import FEATURES
+from twin.errors import ScenarioError
+
+PROFILE = "llama-3.1-8b-h100-64gb"
+RANKS, RATES = (8, 16, 32), (1.6, 0.8, 0.4, 0.1, 0.05, 0.025)
+SERVED, MAX_LORAS = (8, 16, 32, 64, 96, 128, 192), (8, 16, 32, 64, 192)   # 192 slots of rank 32: OOM
+
+
+@functools.lru_cache(maxsize=1)
+def twin_frame(workloads: int = 16, seed: int = 0) -> pd.DataFrame:
+    """Rows of the dataset schema (``lora_opt.dataset.make_row``) for ``workloads`` random workloads,
+    each over every (served, A_max <= served) pair: ~370 twin runs of 300 s, ~10 s."""
+    grid = ds.Grid(ranks=RANKS, rates=RATES, served=SERVED, max_loras=MAX_LORAS, duration_s=300.0,
+                   early_stop=True, seed=0)
+    rank_sets = list(itertools.combinations_with_replacement(RANKS, 3))
+    rate_sets = list(itertools.combinations_with_replacement(sorted(RATES, reverse=True), 3))
+    rng = np.random.default_rng(seed)
+    pairs = rng.choice(len(rank_sets) * len(rate_sets), size=workloads, replace=False)
+    version = ds.twin_version()
+    items = []
+    for w in sorted(pairs):
+        ranks, rates = rank_sets[w // len(rate_sets)], rate_sets[w % len(rate_sets)]
+        for n in SERVED:
+            for a in MAX_LORAS:
+                if a <= n:
+                    point = {"ranks": list(ranks), "rates": list(rates), "n": n, "max_loras": a}
+                    pid = len(items)
+                    items.append({"point": point, "point_id": pid, "groups": 3, "profile_name": PROFILE,
+                                  "profile_hash": "test", "twin_version": version,
+                                  "scenario": ds.point_scenario(point, pid, grid, PROFILE)})
+    return pd.DataFrame(ds.label_points(items))
+
+
+def write_shards(df: pd.DataFrame, out, n_shards: int = 3):
+    out.mkdir(parents=True, exist_ok=True)
+    for i, part in enumerate(np.array_split(np.arange(len(df)), n_shards)):
+        df.iloc[part].to_parquet(ds.shard_path(out, i), index=False)
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_tracking_uri():
+    """mlflow.set_tracking_uri is process-global (and exports MLFLOW_TRACKING_URI): undo it."""
+    yield
+    import mlflow
+
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``train_cli`` once for the module: dataset shards -> surrogates, distilled trees, MLflow run."""
+    base = tmp_path_factory.mktemp("surrogate")
+    data_dir = write_shards(twin_frame(), base / "data")
+    uri = f"sqlite:///{base}/m.db"
+    metrics = sg.train_cli(data_dir, base / "out", tracking_uri=uri, fast=True)
+    return {"metrics": metrics, "out": base / "out", "data": data_dir, "uri": uri, "base": base}
+
+
+def test_dataset_has_both_classes_and_oom():
+    df = twin_frame()
+    assert set(df["status"]) <= {"ok", "oom"} and (df["status"] == "oom").any()
+    assert 0.2 < df["starving"].mean() < 0.9
+
+
+def test_train_cli_writes_files_and_metrics(trained):
+    out, m = trained["out"], trained["metrics"]
+    for name in ("surrogate.joblib", "distilled.json", "rules.txt", "metrics.json",
+                 "plots/throughput_pred_vs_real.png", "plots/starvation_confusion.png"):
+        assert (out / name).is_file(), name
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk["chosen"] == m["chosen"]
+    assert set(m["regressor"]) == set(m["classifier"]) == {"rf", "knn", "svm"}
+    for fam in ("rf", "knn", "svm"):
+        r, c = m["regressor"][fam], m["classifier"][fam]
+        assert 0 <= r["test_smape"] < 60, (fam, r["test_smape"])
+        assert 0 <= c["test"]["macro_f1"] <= 1
+        assert r["latency"]["single_us"] > 0 and r["latency"]["batch_us_per_row"] > 0
+    # the dataset hash links the run to the dataset run of lora_opt.dataset
+    assert m["dataset"]["sha256_16"] == ds.dataset_hash(trained["data"])
+    assert "paper_ng" in m and m["paper_ng"]["workloads"] == 16
+    assert m["paper_ng"]["meaningful"] is False and "anecdotal" in m["paper_ng"]["note"]
+
+
+def test_threshold_keeps_false_feasible_under_one_percent_where_chosen(trained):
+    for fam, c in trained["metrics"]["classifier"].items():
+        assert c["oof"]["false_feasible_rate"] <= sg.MAX_FALSE_FEASIBLE, fam
+    assert trained["metrics"]["distilled"]["oof"]["false_feasible_rate"] <= sg.MAX_FALSE_FEASIBLE
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=1, max_size=300),
+       st.sampled_from([0.0, 0.01, 0.05, 0.2]))
+def test_choose_threshold_bound_and_maximality(rows, bound):
+    p = np.array([r[0] for r in rows])
+    y = np.array([int(r[1]) for r in rows])
+    t = sg.choose_threshold(p, y, bound)
+    ff = ((y == 1) & (p < t)).sum()
+    assert ff <= bound * max(1, (y == 1).sum()) + 1e-9
+    if (y == 1).any() and t <= 1.0:      # any larger threshold would call one more starving row feasible
+        larger = np.nextafter(t, 2.0)
+        assert ((y == 1) & (p < larger)).sum() > bound * (y == 1).sum()
+
+
+def test_surrogate_save_load_identical(trained, tmp_path):
+    sur = sg.Surrogate.load(trained["out"] / "surrogate.joblib")
+    X = twin_frame().loc[:, list(FEATURES)].to_numpy()
+    a = sur.predict(X)
+    sur.save(tmp_path / "s.joblib")
+    b = sg.Surrogate.load(tmp_path / "s.joblib").predict(X)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+    assert sur.metadata["dataset_hash"] == trained["metrics"]["dataset"]["sha256_16"]
+    assert sur.metadata["sklearn_version"] and sur.feature_names == FEATURES
+    thr, feasible, p = sur.predict(twin_frame().head(3))       # a DataFrame works too (by column name)
+    assert thr.shape == feasible.shape == p.shape == (3,) and feasible.dtype == bool
+
+
+def test_mlflow_run_models_and_registry(trained):
+    import mlflow
+
+    run_info = trained["metrics"]["mlflow"]
+    mlflow.set_tracking_uri(trained["uri"])
+    run = mlflow.get_run(run_info["run_id"])
+    assert run.data.tags["dataset_hash"] == trained["metrics"]["dataset"]["sha256_16"]
+    assert "classifier.rf.oof.false_feasible_rate" in run.data.metrics
+    assert any(k.startswith("distilled.latency") for k in run.data.metrics)
+    client = mlflow.MlflowClient()
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"plots", "distilled.json", "rules.txt", "metrics.json"} <= arts
+    assert str(trained["base"]) in run.info.artifact_uri                     # not the repo's mlruns/
+    for name in sg.REGISTERED_NAMES.values():
+        assert client.search_model_versions(f"name='{name}'")
+    model = mlflow.sklearn.load_model(f"models:/{sg.REGISTERED_NAMES['regressor']}/1")
+    X = twin_frame().loc[:, list(FEATURES)].to_numpy()[:50]
+    sur = sg.Surrogate.load(trained["out"] / "surrogate.joblib")
+    np.testing.assert_array_equal(model.predict(X), sur.regressor.predict(X))
+
+
+def test_missing_columns_and_empty_dataset_raise(tmp_path):
+    df = twin_frame()
+    with pytest.raises(ScenarioError, match="rate_sum.*max_loras"):
+        sg.train_surrogates(df.drop(columns=["rate_sum", "max_loras"]), tmp_path, fast=True, track=False)
+    with pytest.raises(ScenarioError, match="no rows"):
+        sg.train_surrogates(df.iloc[:0], tmp_path, fast=True, track=False)
+    with pytest.raises(ScenarioError, match="no columns"):
+        sg.train_surrogates(pd.DataFrame(), tmp_path, fast=True, track=False)
+    with pytest.raises(ScenarioError, match="no shards"):
+        sg.train_cli(tmp_path, tmp_path / "out", fast=True, track=False)
+    with pytest.raises(ScenarioError, match="missing feature column.*n_adapters"):
+        sg.as_feature_matrix(df.drop(columns=["n_adapters"]))
+    with pytest.raises(ScenarioError, match="unknown model family"):
+        sg.train_surrogates(df, tmp_path, models=("xgb",), fast=True, track=False)
+
+
+def test_metric_helpers():
+    assert sg.smape([110, 0], [90, 0]) == pytest.approx(10.0)
+    r = sg.error_rates([1, 1, 0, 0], [True, False, True, False])
+    assert r["false_feasible_rate"] == 0.5 and r["false_infeasible_rate"] == 0.5
