@@ -53,6 +53,44 @@ def _grow(arr, n):
 
 
 @njit(cache=True)
+def _push_back(r, prev, nxt, head, tail):
+    """Append ``r`` to a doubly linked list; returns the new (head, tail)."""
+    prev[r] = tail
+    nxt[r] = _NONE
+    if tail != _NONE:
+        nxt[tail] = r
+    else:
+        head = r
+    return head, r
+
+
+@njit(cache=True)
+def _push_front(r, prev, nxt, head, tail):
+    """Prepend ``r`` to a doubly linked list; returns the new (head, tail)."""
+    nxt[r] = head
+    prev[r] = _NONE
+    if head != _NONE:
+        prev[head] = r
+    else:
+        tail = r
+    return r, tail
+
+
+@njit(cache=True)
+def _unlink(r, prev, nxt, head, tail):
+    """Remove ``r`` from a doubly linked list; returns the new (head, tail)."""
+    if prev[r] != _NONE:
+        nxt[prev[r]] = nxt[r]
+    else:
+        head = nxt[r]
+    if nxt[r] != _NONE:
+        prev[nxt[r]] = prev[r]
+    else:
+        tail = prev[r]
+    return head, tail
+
+
+@njit(cache=True)
 def _set_add(a, step, set_stamp, set_list, n_set):
     """Add adapter ``a`` to this step's LoRA set; returns the new set size."""
     if set_stamp[a] != step:
@@ -254,20 +292,8 @@ def run_engine(
             a = req_adapter[r]
             key[r] = tail_key
             tail_key += 1
-            gprev[r] = gtail
-            gnext[r] = _NONE
-            if gtail != _NONE:
-                gnext[gtail] = r
-            else:
-                ghead = r
-            gtail = r
-            aprev[r] = atail[a]
-            anext[r] = _NONE
-            if atail[a] != _NONE:
-                anext[atail[a]] = r
-            else:
-                ahead[a] = r
-            atail[a] = r
+            ghead, gtail = _push_back(r, gprev, gnext, ghead, gtail)
+            ahead[a], atail[a] = _push_back(r, aprev, anext, ahead[a], atail[a])
             n_waiting += 1
             a_wait[a] += 1
             next_arr += 1
@@ -344,20 +370,8 @@ def run_engine(
                         va = req_adapter[victim]
                         key[victim] = head_key
                         head_key -= 1
-                        gnext[victim] = ghead
-                        gprev[victim] = _NONE
-                        if ghead != _NONE:
-                            gprev[ghead] = victim
-                        else:
-                            gtail = victim
-                        ghead = victim
-                        aprev[victim] = _NONE
-                        anext[victim] = ahead[va]
-                        if ahead[va] != _NONE:
-                            aprev[ahead[va]] = victim
-                        else:
-                            atail[va] = victim
-                        ahead[va] = victim
+                        ghead, gtail = _push_front(victim, gprev, gnext, ghead, gtail)
+                        ahead[va], atail[va] = _push_front(victim, aprev, anext, ahead[va], atail[va])
                         n_waiting += 1
                         a_wait[va] += 1
                         if victim == r:
@@ -428,22 +442,8 @@ def run_engine(
                             k2 += 1
                         admitted += 1
                         # unlink from both waiting lists
-                        if gprev[r] != _NONE:
-                            gnext[gprev[r]] = gnext[r]
-                        else:
-                            ghead = gnext[r]
-                        if gnext[r] != _NONE:
-                            gprev[gnext[r]] = gprev[r]
-                        else:
-                            gtail = gprev[r]
-                        if aprev[r] != _NONE:
-                            anext[aprev[r]] = anext[r]
-                        else:
-                            ahead[a] = anext[r]
-                        if anext[r] != _NONE:
-                            aprev[anext[r]] = aprev[r]
-                        else:
-                            atail[a] = aprev[r]
+                        ghead, gtail = _unlink(r, gprev, gnext, ghead, gtail)
+                        ahead[a], atail[a] = _unlink(r, aprev, anext, ahead[a], atail[a])
                         n_waiting -= 1
                         a_wait[a] -= 1
                         alloc = (num_new + block_size - 1) // block_size
