@@ -1,0 +1,137 @@
+"""A placement: which adapters each GPU serves, with what weights, and each vLLM instance's flags.
+
+An adapter is routed to one GPU (weight 1) or, for LoRAServe-style fractional routing, to several
+GPUs with weights that sum to 1.  ``check_placement`` is the independent checker every placement
+passes before it is shown or written: every adapter routed, weights valid, every adapter's rank <=
+the ``--max-lora-rank`` of each GPU it is routed to, and vLLM's memory accounting (the profile's
+``startup_check``) says each instance starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from twin.errors import ScenarioError
+from twin.profile import VLLM_LORA_RANKS, Profile
+
+
+class PlacementError(ScenarioError):
+    """A placement that must not be deployed; the message lists every problem found."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter of the workload."""
+
+    id: str
+    """Name the clients use (``--lora-modules name=path``)."""
+    rank: int
+    """LoRA rank."""
+    rate: float
+    """Expected requests per second."""
+    path: str | None = None
+    """Checkpoint directory or hub id; default ``adapters/<id>``."""
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    """The flags of one vLLM instance (one GPU)."""
+
+    max_loras: int
+    """``--max-loras`` (A_max)."""
+    max_lora_rank: int
+    """``--max-lora-rank``: one of vLLM's allowed values, >= every rank routed here."""
+    max_cpu_loras: int
+    """``--max-cpu-loras`` (>= max_loras; >= the adapters routed here avoids disk loads)."""
+    max_num_seqs: int
+    """``--max-num-seqs``."""
+    max_num_batched_tokens: int
+    """``--max-num-batched-tokens``."""
+    gpu_memory_utilization: float
+    """``--gpu-memory-utilization``."""
+    max_model_len: int
+    """``--max-model-len`` (explicit, so start-up never depends on the model's default)."""
+
+
+@dataclass
+class Placement:
+    """Adapters, GPUs and routes (adapter id -> [(gpu index, weight)])."""
+
+    profile: str
+    adapters: list[Adapter]
+    gpus: list[GPUConfig]
+    routes: dict[str, list[tuple[int, float]]]
+    policy: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def adapters_on(self, gpu: int) -> list[Adapter]:
+        by_id = {a.id: a for a in self.adapters}
+        return [by_id[aid] for aid, rs in self.routes.items() if any(g == gpu for g, _ in rs)]
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile, "policy": self.policy, "meta": self.meta,
+                "adapters": [dataclasses.asdict(a) for a in self.adapters],
+                "gpus": [dataclasses.asdict(g) for g in self.gpus],
+                "routes": {k: [[g, w] for g, w in v] for k, v in self.routes.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Placement:
+        try:
+            return cls(profile=d["profile"], policy=d.get("policy", ""), meta=d.get("meta", {}),
+                       adapters=[Adapter(**a) for a in d["adapters"]], gpus=[GPUConfig(**g) for g in d["gpus"]],
+                       routes={k: [(int(g), float(w)) for g, w in v] for k, v in d["routes"].items()})
+        except (KeyError, TypeError) as exc:
+            raise PlacementError(f"placement: malformed ({exc})") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Placement:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def placement_problems(p: Placement, profile: Profile) -> list[str]:
+    """Every reason this placement must not be deployed (empty = valid)."""
+    problems = []
+    ids = [a.id for a in p.adapters]
+    if len(set(ids)) != len(ids):
+        problems.append("adapter ids are not unique")
+    for a in p.adapters:
+        rs = p.routes.get(a.id)
+        if not rs:
+            problems.append(f"adapter {a.id}: not routed to any GPU")
+            continue
+        if any(not 0 <= g < len(p.gpus) for g, _ in rs):
+            problems.append(f"adapter {a.id}: routed to a GPU that does not exist")
+            continue
+        if any(w <= 0 for _, w in rs) or not math.isclose(sum(w for _, w in rs), 1.0, abs_tol=1e-9):
+            problems.append(f"adapter {a.id}: routing weights must be > 0 and sum to 1, got {[w for _, w in rs]}")
+        for g, _ in rs:
+            if a.rank > p.gpus[g].max_lora_rank:
+                problems.append(f"adapter {a.id}: rank {a.rank} > max_lora_rank {p.gpus[g].max_lora_rank} of GPU {g}")
+    for extra in sorted(set(p.routes) - set(ids)):
+        problems.append(f"route for unknown adapter {extra}")
+    for i, g in enumerate(p.gpus):
+        if g.max_lora_rank not in VLLM_LORA_RANKS:
+            problems.append(f"GPU {i}: max_lora_rank {g.max_lora_rank} not in {list(VLLM_LORA_RANKS)}")
+        if g.max_cpu_loras < g.max_loras:
+            problems.append(f"GPU {i}: max_cpu_loras {g.max_cpu_loras} < max_loras {g.max_loras}")
+        if g.max_num_batched_tokens < g.max_num_seqs:
+            problems.append(f"GPU {i}: max_num_batched_tokens {g.max_num_batched_tokens} < max_num_seqs "
+                            f"{g.max_num_seqs} (vLLM refuses it)")
+        starts, kv, reason = profile.startup_check(g.max_loras, g.max_lora_rank, g.gpu_memory_utilization,
+                                                   g.max_num_batched_tokens, g.max_model_len, g.max_num_seqs)
+        if not starts:
+            problems.append(f"GPU {i}: vLLM would not start: {reason}")
+    return problems
+
+
+def check_placement(p: Placement, profile: Profile) -> None:
+    """Raise PlacementError listing every problem; return None for a deployable placement."""
+    problems = placement_problems(p, profile)
+    if problems:
+        raise PlacementError("placement is not deployable:\n  - " + "\n  - ".join(problems))

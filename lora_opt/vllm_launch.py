@@ -1,0 +1,95 @@
+"""``vllm serve`` commands and a router table for a placement (vLLM 0.33's real flags).
+
+Every command pins what would otherwise drift with hardware or version defaults: LoRA flags,
+``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``,
+``--block-size 16`` and FCFS scheduling.  ``validate_serve_args`` checks a command against the
+option table of vLLM 0.33.0's own parser (``data/reference/vllm_serve_args-0.33.0.json``) without
+installing vLLM; where the ``[vllm]`` extra is installed, the tests also run vLLM's parser itself.
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+from lora_opt.placement import Placement
+from twin.errors import ScenarioError
+from twin.paths import DATA_DIR
+
+SERVE_ARGS = DATA_DIR / "reference" / "vllm_serve_args-0.33.0.json"
+
+
+@functools.lru_cache(maxsize=1)
+def serve_options() -> dict:
+    return json.loads(SERVE_ARGS.read_text())["options"]
+
+
+def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1", port: int = 8000) -> list[str]:
+    """argv of ``vllm serve`` for GPU ``gpu`` of the placement."""
+    g = p.gpus[gpu]
+    modules = [f"{a.id}={a.path or f'adapters/{a.id}'}" for a in p.adapters_on(gpu)]
+    argv = ["vllm", "serve", model, "--host", host, "--port", str(port),
+            "--enable-lora", "--max-loras", str(g.max_loras), "--max-lora-rank", str(g.max_lora_rank),
+            "--max-cpu-loras", str(g.max_cpu_loras), "--max-model-len", str(g.max_model_len),
+            "--max-num-seqs", str(g.max_num_seqs), "--max-num-batched-tokens", str(g.max_num_batched_tokens),
+            "--gpu-memory-utilization", str(g.gpu_memory_utilization), "--block-size", "16",
+            "--scheduling-policy", "fcfs"]
+    if modules:
+        argv += ["--lora-modules", *modules]
+    return argv
+
+
+def router_table(p: Placement, *, host: str = "127.0.0.1", base_port: int = 8000) -> dict:
+    """adapter id -> [{"endpoint", "weight"}] (GPU i listens on base_port + i)."""
+    return {aid: [{"endpoint": f"http://{host}:{base_port + g}/v1", "weight": w} for g, w in rs]
+            for aid, rs in p.routes.items()}
+
+
+def validate_serve_args(argv: list[str]) -> list[str]:
+    """Problems with a ``vllm serve`` argv against vLLM 0.33.0's option table (empty = valid)."""
+    opts = serve_options()
+    if argv[:2] != ["vllm", "serve"] or len(argv) < 3 or argv[2].startswith("-"):
+        return ["expected: vllm serve MODEL [options]"]
+    problems, i = [], 3
+    while i < len(argv):
+        name = argv[i]
+        spec = opts.get(name)
+        if spec is None:
+            problems.append(f"unknown option {name}")
+            i += 1
+            continue
+        values = []
+        i += 1
+        while i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if spec["flag"]:
+            if values:
+                problems.append(f"{name} takes no value, got {values}")
+            continue
+        if spec["nargs"] == "+":
+            if not values:
+                problems.append(f"{name} needs at least one value")
+            continue
+        if len(values) != 1:
+            problems.append(f"{name} takes one value, got {values}")
+            continue
+        v = values[0]
+        if spec["choices"] is not None and v not in spec["choices"]:
+            problems.append(f"{name} {v}: not one of {spec['choices']}")
+        if spec["type"] in ("int", "human_readable_int"):
+            try:
+                int(v)
+            except ValueError:
+                problems.append(f"{name} {v}: not an integer")
+        if spec["type"] == "float":
+            try:
+                float(v)
+            except ValueError:
+                problems.append(f"{name} {v}: not a number")
+    return problems
+
+
+def check_serve_args(argv: list[str]) -> None:
+    problems = validate_serve_args(argv)
+    if problems:
+        raise ScenarioError("invalid vllm serve command: " + "; ".join(problems))
