@@ -64,9 +64,20 @@ class Grid:
     come from the point: A_max, the smallest vLLM rank that fits, all adapters in CPU)."""
     shard_size: int = 64
     """Points per shard (one Ray task, one Parquet file)."""
+    sample: int | None = None
+    """Label only this many points, a seeded uniform sample of the grid (None = every point)."""
 
     def points(self) -> list[dict]:
-        """Every grid point, in a fixed order (point id = index)."""
+        """The grid's points in a fixed order (point id = index), or the seeded sample of them."""
+        out = self._all_points()
+        if self.sample is not None and self.sample < len(out):
+            import random
+
+            keep = sorted(random.Random(self.seed).sample(range(len(out)), self.sample))
+            out = [out[i] for i in keep]
+        return out
+
+    def _all_points(self) -> list[dict]:
         out = []
         for ranks in itertools.combinations_with_replacement(sorted(self.ranks), self.groups):
             for rates in itertools.combinations_with_replacement(sorted(self.rates, reverse=True), self.groups):
@@ -111,6 +122,8 @@ def load_grid(path: str | Path) -> tuple[str | None, Grid]:
         raise ScenarioError(f"{p}.rates: every rate must be > 0")
     if grid.groups < 1 or grid.shard_size < 1:
         raise ScenarioError(f"{p}: groups and shard_size must be >= 1")
+    if grid.sample is not None and grid.sample < 1:
+        raise ScenarioError(f"{p}.sample: must be >= 1 (or omitted for the whole grid)")
     return profile, grid
 
 

@@ -82,3 +82,15 @@ def test_papers_grid_size():
     _, grid = ds.load_grid(REPO_ROOT / "configs" / "grids" / "papers.yaml")
     # 10 rank triples x 220 rate triples x 66 (served, A_max <= served) pairs
     assert len(grid.points()) == 10 * 220 * 66
+
+
+def test_sampled_grid_is_a_seeded_subset(tmp_path):
+    _, full = ds.load_grid(_grid(tmp_path))
+    _, sampled = ds.load_grid(_grid(tmp_path, sample=30))
+    pts = sampled.points()
+    assert len(pts) == 30 and all(p in full.points() for p in pts)
+    assert pts == ds.load_grid(_grid(tmp_path, sample=30))[1].points()
+    _, default = ds.load_grid("default")
+    assert len(default.points()) == 4000
+    with pytest.raises(ScenarioError, match="sample"):
+        ds.load_grid(_grid(tmp_path, sample=0))
