@@ -159,7 +159,6 @@ def _scatter_plots(df, variants, out_dir: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [m[0] for m in METRICS]
     fig, axes = plt.subplots(2, 5, figsize=(20, 8))
     for ax, (name, *_, pcol) in zip(axes.ravel(), METRICS):
         real = df[f"real_{name}"]
@@ -180,7 +179,7 @@ def _scatter_plots(df, variants, out_dir: Path):
     path = out_dir / "predicted_vs_real.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
-    return [path.name] if names else []
+    return [path.name]
 
 
 def _curve_plots(df, variant: str, out_dir: Path) -> list[str]:

@@ -1,5 +1,3 @@
-import os
-
 import pytest
 
 import lora_opt.settings  # noqa: F401  (no telemetry, Ray on loopback)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +150,7 @@ class Scenario:
         """(ids, ranks, rates) of every adapter, groups expanded in order."""
         ids, ranks, rates = [], [], []
         for g in self.adapters:
-            for k in range(g.count):
+            for _ in range(g.count):
                 ids.append(g.id if g.id is not None else f"a{len(ids)}")
                 ranks.append(g.rank)
                 rates.append(g.rate)

@@ -209,8 +209,7 @@ def load_trace(name_or_path: str):
             tsec = tsec / 1000.0
     ins = pd.to_numeric(df[icol], errors="coerce")
     outs = pd.to_numeric(df[ocol], errors="coerce")
-    for col, series, ok in ((tcol, tsec, ~bad), (icol, ins, ins.notna() & (ins >= 0)),
-                            (ocol, outs, outs.notna() & (outs >= 0))):
+    for col, ok in ((tcol, ~bad), (icol, ins.notna() & (ins >= 0)), (ocol, outs.notna() & (outs >= 0))):
         if not ok.all():
             row = int(np.flatnonzero(~ok.to_numpy())[0])
             raise ScenarioError(f"trace {path} line {row + 2}: bad {col} value "
