@@ -99,9 +99,8 @@ def comparison_table(rows, results: dict[str, list[dict]], peer):
 
 
 def _rate_sum(row) -> float:
-    n = int(row["n_served_adapters"])
-    rates = [float(x) for x in str(row["adapter_rates"]).split()]
-    return float(sum(rates[i % len(rates)] for i in range(n)))
+    """Requests/s of the run: the adapters' rates as ``run_to_scenario`` assigns them."""
+    return float(sum(a["rate"] for a in realruns.run_to_scenario(row)["adapters"]))
 
 
 def smape_table(df, variants: list[str]) -> dict:
