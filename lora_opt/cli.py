@@ -82,6 +82,9 @@ def cmd_bench(args) -> int:
         return bench_twin(out=args.out, repeats=args.repeats)
     if args.what == "dataset":
         return bench_dataset(grid=args.grid, sample=args.sample)
+    if args.what == "place":
+        from lora_opt.bench import bench_place
+        return bench_place(out=args.out, repeats=args.repeats)
     raise SystemExit(f"lora-opt bench: unknown benchmark {args.what!r}")
 
 
@@ -150,6 +153,54 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _policy_options(args) -> dict:
+    opts = {}
+    if args.policy == "greedy-plus":
+        for k in ("margin", "verify_s", "ttft_p99_s", "oracle"):
+            v = getattr(args, k, None)
+            if v is not None:
+                opts[k] = v
+    return opts
+
+
+def cmd_place(args) -> int:
+    from lora_opt.place import run_place
+    from lora_opt.workload import load_workload
+
+    wl = load_workload(args.workload)
+    return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
+                     surrogate=args.surrogate, policy_options=_policy_options(args), as_json=args.json)
+
+
+def cmd_evaluate(args) -> int:
+    from lora_opt.evaluate import evaluate_placement, evaluation_table, with_evaluation, workload_from_placement
+    from lora_opt.placement import Placement, PlacementError
+    from lora_opt.workload import load_workload
+
+    if not Path(args.placement).exists():
+        raise PlacementError(f"placement file not found: {args.placement}")
+    try:
+        p = Placement.load(args.placement)
+    except json.JSONDecodeError as exc:
+        raise PlacementError(f"{args.placement}: not a placement JSON ({exc})") from None
+    wl = load_workload(args.workload) if args.workload else workload_from_placement(p)
+    wl = with_evaluation(wl, process=args.arrivals, trace=args.trace, mapping=args.mapping,
+                         time_scale=args.time_scale, start_s=args.start_s, duration_s=args.duration_s,
+                         lengths=args.lengths, seed=args.seed)
+    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address, progress=not args.json)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(ev, indent=1))
+    if args.json:
+        print(json.dumps(ev))
+    else:
+        print(f"placement {args.placement} ({p.policy}), workload {wl.name}: replay "
+              f"{wl.evaluation.arrivals.process}{' ' + wl.evaluation.arrivals.trace if wl.evaluation.arrivals.trace else ''}"
+              f", {wl.evaluation.duration_s:,.0f} s, rho {wl.rho}")
+        print(evaluation_table(ev))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-opt",
@@ -168,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks (speed and memory), reported as numbers, not tests")
-    b.add_argument("what", choices=["twin", "dataset"], help="what to benchmark")
+    b.add_argument("what", choices=["twin", "dataset", "place"], help="what to benchmark")
     b.add_argument("--grid", default="papers", help="dataset: grid to sample (default: papers)")
     b.add_argument("--sample", type=int, default=64, help="dataset: grid points to label per worker count")
     b.add_argument("--out", help="also write the results as JSON here")
@@ -204,6 +255,41 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--tracking-uri", help="MLflow tracking URI (default: local mlruns/)")
     tr.add_argument("--fast", action="store_true", help="tiny hyper-parameter grids (smoke runs)")
     tr.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser("place", help="place a workload's adapters on GPUs; vLLM launch commands and a router table")
+    pl.add_argument("--workload", required=True, help="workload YAML/JSON (see configs/workloads/)")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
+    pl.add_argument("--policy", default="greedy-plus",
+                    choices=["greedy-plus", "greedy", "greedy-fast", "dlora", "loraserve"],
+                    help="placement policy (default: greedy-plus)")
+    pl.add_argument("--out", help="output directory (default: outputs/placement-<workload>)")
+    pl.add_argument("--emit-vllm", action="store_true",
+                    help="also write one vllm serve command per GPU (vLLM 0.33 flags) and router.json")
+    pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
+    pl.add_argument("--surrogate", help="surrogate directory (default: the bundled one for the profile)")
+    pl.add_argument("--margin", type=float, help="greedy-plus: capacity headroom over the expected load (default 0.1)")
+    pl.add_argument("--verify-s", type=float, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
+    pl.add_argument("--ttft-p99-s", type=float, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
+    pl.add_argument("--oracle", choices=["full", "distilled"], help="greedy-plus: surrogate to consult (default full)")
+    pl.add_argument("--json", action="store_true", help="print the placement and verdict as one JSON object")
+    pl.set_defaults(func=cmd_place)
+
+    ev = sub.add_parser("evaluate", help="replay a placement's traffic on the twin, one simulation per GPU (Ray)")
+    ev.add_argument("placement", help="placement.json written by lora-opt place")
+    ev.add_argument("--workload", help="workload file (its evaluation section); default: Poisson at the placement's rates")
+    ev.add_argument("--arrivals", choices=["poisson", "lognormal", "nonstationary", "trace"], help="arrival process")
+    ev.add_argument("--trace", help="trace to replay (azure-code, azure-conv, mooncake-*, or a CSV); implies --arrivals trace")
+    ev.add_argument("--mapping", choices=["uniform", "powerlaw", "rates"], help="trace requests -> adapters")
+    ev.add_argument("--time-scale", type=float, help="trace: multiply inter-arrival times (< 1 = more load)")
+    ev.add_argument("--start-s", type=float, help="trace: skip this many (scaled) seconds")
+    ev.add_argument("--duration-s", type=float, help="replayed seconds")
+    ev.add_argument("--lengths", help="length model (sharegpt, sharegpt-8k, arxiv, trace, ...)")
+    ev.add_argument("--seed", type=int, help="seed of arrivals, lengths, mapping and routing draws")
+    ev.add_argument("--workers", type=int, help="parallel workers (1 = serial, no Ray; default: all cores)")
+    ev.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+    ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
+    ev.add_argument("--out", help="also write the evaluation JSON here")
+    ev.set_defaults(func=cmd_evaluate)
 
     f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
     f.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"),

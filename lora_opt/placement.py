@@ -94,8 +94,9 @@ class Placement:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def placement_problems(p: Placement, profile: Profile) -> list[str]:
-    """Every reason this placement must not be deployed (empty = valid)."""
+def placement_problems(p: Placement, profile: Profile, *, include_startup: bool = True) -> list[str]:
+    """Every reason this placement must not be deployed (empty = valid).  ``include_startup=False``
+    checks the structure only (used to evaluate baselines whose instances do not start)."""
     problems = []
     ids = [a.id for a in p.adapters]
     if len(set(ids)) != len(ids):
@@ -123,6 +124,8 @@ def placement_problems(p: Placement, profile: Profile) -> list[str]:
         if g.max_num_batched_tokens < g.max_num_seqs:
             problems.append(f"GPU {i}: max_num_batched_tokens {g.max_num_batched_tokens} < max_num_seqs "
                             f"{g.max_num_seqs} (vLLM refuses it)")
+        if not include_startup:
+            continue
         starts, kv, reason = profile.startup_check(g.max_loras, g.max_lora_rank, g.gpu_memory_utilization,
                                                    g.max_num_batched_tokens, g.max_model_len, g.max_num_seqs)
         if not starts:

@@ -2,7 +2,7 @@
 
 Every command pins what would otherwise drift with hardware or version defaults: LoRA flags,
 ``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``,
-``--block-size 16`` and FCFS scheduling.  ``validate_serve_args`` checks a command against the
+``--block-size 16``, FCFS scheduling, prefix caching and async scheduling off (as the twin models).  ``validate_serve_args`` checks a command against the
 option table of vLLM 0.33.0's own parser (``data/reference/vllm_serve_args-0.33.0.json``) without
 installing vLLM; where the ``[vllm]`` extra is installed, the tests also run vLLM's parser itself.
 """
@@ -32,7 +32,9 @@ def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1"
             "--max-cpu-loras", str(g.max_cpu_loras), "--max-model-len", str(g.max_model_len),
             "--max-num-seqs", str(g.max_num_seqs), "--max-num-batched-tokens", str(g.max_num_batched_tokens),
             "--gpu-memory-utilization", str(g.gpu_memory_utilization), "--block-size", "16",
-            "--scheduling-policy", "fcfs"]
+            "--scheduling-policy", "fcfs",
+            # the twin models neither prefix caching nor async scheduling: pin both off
+            "--disable-prefix-caching", "--no-async-scheduling"]
     if modules:
         argv += ["--lora-modules", *modules]
     return argv

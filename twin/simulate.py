@@ -90,6 +90,9 @@ class Result:
     wall_s: float = 0.0
     engine: dict = field(default_factory=dict)
     timeseries: dict[str, np.ndarray] | None = None
+    samples: dict[str, np.ndarray] | None = None
+    """Raw latencies, so results of several GPUs combine exactly: ``ttft_ms`` (per completed
+    request), ``itl_ms`` / ``itl_count`` (inter-token gaps and how many tokens saw each)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RESULT_KEYS}
@@ -210,4 +213,5 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         running_mean=running_area / T, waiting_mean=waiting_area / T, preemptions=preemptions,
         adapter_loads_cpu=loads_cpu, adapter_loads_disk=loads_disk, kv_cache_tokens=int(kv_tokens),
         stopped_early_s=stopped, steps=steps, arrived=len(req), dropped=n_dropped,
-        wall_s=time.perf_counter() - t_wall, engine=eng, timeseries=ts)
+        wall_s=time.perf_counter() - t_wall, engine=eng, timeseries=ts,
+        samples={"ttft_ms": ttft, "itl_ms": itl_values, "itl_count": itl_counts})

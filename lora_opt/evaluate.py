@@ -1,0 +1,208 @@
+"""Replay a placement on the twin: the workload's requests, routed to GPUs as the placement says,
+each GPU simulated as its own vLLM instance (in parallel on Ray), results combined exactly.
+
+Routing: an adapter on one GPU sends every request there; an adapter on several GPUs (dLoRA,
+LoRAServe, greedy-plus's hot adapters) sends each request to a GPU drawn with the routing weights
+from a generator seeded by the evaluation seed -- so a replay is deterministic, serial or on Ray.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from lora_opt.placement import Placement
+from lora_opt.workload import Workload, evaluation_scenario
+from twin.errors import ScenarioError
+from twin.simulate import weighted_stats
+from twin.workload import Requests, generate_requests
+
+#: the routing generator's stream, spawned from the evaluation seed apart from the workload's
+ROUTING_STREAM = 7
+
+
+def workload_requests(wl: Workload, max_model_len: int) -> Requests:
+    """Every request of the workload's evaluation traffic (all adapters, one stream)."""
+    from twin.scenario import scenario_from_dict
+    sc = scenario_from_dict(evaluation_scenario(wl, wl.adapters), "workload.evaluation")
+    return generate_requests(sc, max_model_len)
+
+
+def route_requests(p: Placement, req: Requests, seed: int) -> np.ndarray:
+    """GPU index of every request (adapter indices follow ``p.adapters``)."""
+    n_ad = len(p.adapters)
+    single = np.full(n_ad, -1, np.int64)
+    multi: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for k, a in enumerate(p.adapters):
+        rs = p.routes[a.id]
+        if len(rs) == 1:
+            single[k] = rs[0][0]
+        else:
+            multi[k] = (np.array([g for g, _ in rs]), np.cumsum([w for _, w in rs]))
+    gpu = single[req.adapter]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, ROUTING_STREAM]))
+    u = rng.random(len(req))        # one draw per request, used or not: routing of one adapter
+    for k, (gs, cw) in multi.items():   # never depends on which other adapters are replicated
+        sel = np.flatnonzero(req.adapter == k)
+        gpu[sel] = gs[np.minimum(np.searchsorted(cw / cw[-1], u[sel], side="right"), len(gs) - 1)]
+    return gpu
+
+
+def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed: int) -> list[dict]:
+    gpu_of = route_requests(p, req, seed)
+    index = {a.id: k for k, a in enumerate(p.adapters)}
+    jobs = []
+    for g, cfg in enumerate(p.gpus):
+        on = [(index[aid], w) for aid, rs in p.routes.items() for gg, w in rs if gg == g]
+        on.sort()
+        local = np.full(len(p.adapters), -1, np.int64)
+        for j, (k, _) in enumerate(on):
+            local[k] = j
+        sel = np.flatnonzero(gpu_of == g)
+        adapters = [dataclasses.replace(p.adapters[k], rate=p.adapters[k].rate * w) for k, w in on]
+        sc = evaluation_scenario(wl, adapters, engine={k: v for k, v in dataclasses.asdict(cfg).items()})
+        sc["duration_s"] = duration_s
+        jobs.append({"gpu": g, "scenario": sc,
+                     "arrival": req.arrival[sel], "adapter": local[req.adapter[sel]].astype(np.int32),
+                     "in_len": req.in_len[sel], "out_len": req.out_len[sel]})
+    return jobs
+
+
+def simulate_gpu_jobs(jobs: list[dict]) -> list[dict]:
+    """Ray task / serial unit: simulate each GPU's share; result dicts with raw latency samples."""
+    import twin
+    from twin.scenario import scenario_from_dict
+
+    out = []
+    for job in jobs:
+        sc = scenario_from_dict(job["scenario"], f"gpu {job['gpu']}")
+        req = Requests(arrival=np.ascontiguousarray(job["arrival"], np.float64),
+                       adapter=np.ascontiguousarray(job["adapter"], np.int32),
+                       in_len=np.ascontiguousarray(job["in_len"], np.int32),
+                       out_len=np.ascontiguousarray(job["out_len"], np.int32))
+        res = twin.simulate(sc, requests=req)
+        d = res.to_dict()
+        d.update(gpu=job["gpu"], arrived=res.arrived, wall_s=res.wall_s, oom_reason=res.oom_reason,
+                 samples=res.samples or {})
+        out.append(d)
+    return out
+
+
+def _combined(results: list[dict], key: str) -> dict:
+    vals, cnts = [], []
+    for r in results:
+        s = r.get("samples") or {}
+        if key == "ttft" and "ttft_ms" in s:
+            vals.append(s["ttft_ms"])
+            cnts.append(np.ones(len(s["ttft_ms"]), np.int64))
+        elif key == "itl" and "itl_ms" in s:
+            vals.append(s["itl_ms"])
+            cnts.append(s["itl_count"])
+    if not vals:
+        return {"mean": None, "median": None, "p99": None}
+    return weighted_stats(np.concatenate(vals), np.concatenate(cnts))
+
+
+def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None = None,
+                       duration_s: float | None = None, workers: int | None = None,
+                       ray_address: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Replay ``requests`` (default: the workload's evaluation traffic) on every GPU of ``p``."""
+    from tqdm import tqdm
+
+    from lora_opt.parallel import run_batches
+
+    if not p.gpus:
+        raise ScenarioError("placement: no GPUs to evaluate")
+    ids = [a.id for a in wl.adapters]
+    if ids != [a.id for a in p.adapters]:
+        raise ScenarioError("placement and workload list different adapters (ids or order); evaluate the "
+                            "placement with the workload it was made for")
+    mml = min(g.max_model_len for g in p.gpus)
+    T = duration_s or wl.evaluation.duration_s
+    req = requests if requests is not None else workload_requests(wl, mml)
+    jobs = _gpu_jobs(p, wl, req, T, wl.evaluation.seed)
+    results: list[dict | None] = [None] * len(jobs)
+    with tqdm(total=len(jobs), desc="replaying GPUs", unit="gpu", disable=not progress) as bar:
+        def done(i: int, rows: list) -> None:
+            results[i] = rows[0]
+            bar.update(1)
+        run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address)
+    res: list[dict] = results  # type: ignore[assignment]
+    per_gpu = []
+    for r, cfg in zip(res, p.gpus):
+        per_gpu.append({
+            "gpu": r["gpu"], "adapters": len(p.adapters_on(r["gpu"])), "max_loras": cfg.max_loras,
+            "max_lora_rank": cfg.max_lora_rank, "status": r["status"], "starving": bool(r["starving"]),
+            "oom_reason": r.get("oom_reason", ""), "arrived": r["arrived"], "completed": r["completed"],
+            "incoming_token_rate": r["incoming_token_rate"], "throughput_tok_s": r["throughput_tok_s"],
+            "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "preemptions": r["preemptions"],
+            "adapter_loads_cpu": r["adapter_loads_cpu"], "kv_cache_tokens": r["kv_cache_tokens"],
+        })
+    incoming = sum(g["incoming_token_rate"] for g in per_gpu)
+    thr = sum(g["throughput_tok_s"] for g in per_gpu)
+    active = [g for g in per_gpu if g["arrived"] > 0 or g["adapters"] > 0]
+    return {
+        "policy": p.policy, "workload": wl.name, "rho": wl.rho, "duration_s": T,
+        "gpus_used": len(active), "gpus_starving": sum(g["starving"] and g["status"] == "ok" for g in per_gpu),
+        "gpus_failing_startup": sum(g["status"] == "oom" for g in per_gpu),
+        "requests": int(len(req)), "completed": int(sum(g["completed"] for g in per_gpu)),
+        "incoming_token_rate": incoming, "throughput_tok_s": thr,
+        "served_fraction": thr / incoming if incoming > 0 else math.nan,
+        "ttft_ms": _combined(res, "ttft"), "itl_ms": _combined(res, "itl"),
+        "per_gpu": per_gpu,
+    }
+
+
+def evaluation_table(ev: dict) -> str:
+    """Plain-text table of an evaluation (one line per GPU and a total)."""
+    def f(x, spec="8.1f"):
+        return format(x, spec) if x is not None else f"{'n/a':>{spec.split('.')[0]}}"
+    lines = [f"{'GPU':>3} {'adapters':>8} {'A_max':>5} {'status':>9} {'incoming':>9} {'thr tok/s':>9} "
+             f"{'TTFT mean':>9} {'TTFT p99':>9} {'ITL mean':>8} {'ITL p99':>8}"]
+    for g in ev["per_gpu"]:
+        status = "OOM" if g["status"] == "oom" else ("STARVING" if g["starving"] else "ok")
+        lines.append(f"{g['gpu']:>3} {g['adapters']:>8} {g['max_loras']:>5} {status:>9} "
+                     f"{g['incoming_token_rate']:>9.0f} {g['throughput_tok_s']:>9.0f} "
+                     f"{f(g['ttft_ms']['mean'], '9.1f')} {f(g['ttft_ms']['p99'], '9.1f')} "
+                     f"{f(g['itl_ms']['mean'], '8.1f')} {f(g['itl_ms']['p99'], '8.1f')}")
+    lines.append(f"{'all':>3} {sum(g['adapters'] for g in ev['per_gpu']):>8} {'':>5} "
+                 f"{ev['gpus_starving']:>3} starv {ev['incoming_token_rate']:>9.0f} {ev['throughput_tok_s']:>9.0f} "
+                 f"{f(ev['ttft_ms']['mean'], '9.1f')} {f(ev['ttft_ms']['p99'], '9.1f')} "
+                 f"{f(ev['itl_ms']['mean'], '8.1f')} {f(ev['itl_ms']['p99'], '8.1f')}")
+    lines.append(f"GPUs used {ev['gpus_used']}, starving {ev['gpus_starving']}, failing to start "
+                 f"{ev['gpus_failing_startup']}; {ev['completed']:,} of {ev['requests']:,} requests completed "
+                 f"in {ev['duration_s']:,.0f} s")
+    return "\n".join(lines)
+
+
+def workload_from_placement(p: Placement):
+    """A workload for a placement file alone: its adapters, profile and rho; Poisson replay."""
+    from lora_opt.workload import PlacementEngine, Workload
+
+    g = p.gpus[0]
+    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=float(p.meta.get("rho", 0.9)),
+                    engine=PlacementEngine(g.max_num_seqs, g.max_num_batched_tokens, g.gpu_memory_utilization,
+                                           g.max_model_len),
+                    name=str(p.meta.get("workload", "")))
+
+
+def with_evaluation(wl, **overrides):
+    """The workload with evaluation fields replaced (``None`` values ignored), validated."""
+    from lora_opt.workload import workload_from_dict
+
+    d = wl.to_dict()
+    ev = d["evaluation"]
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        if k in ("process", "trace", "mapping", "time_scale", "start_s", "alpha"):
+            ev["arrivals"][k] = v
+        elif k == "lengths":
+            ev["lengths"] = {"source": v}
+        else:
+            ev[k] = v
+    if overrides.get("trace") and not overrides.get("process"):
+        ev["arrivals"]["process"] = "trace"
+    return workload_from_dict(d, "evaluation")

@@ -1,0 +1,163 @@
+"""The placement-policy interface: one small base class, every policy a subclass.
+
+A policy turns a workload (adapters with ranks and expected rates) and a GPU pool size into
+``GPUAssignment``s: which adapters each GPU serves (with routing weights), and its A_max
+(``--max-loras``).  ``PlacementPolicy.place`` does everything the policies share -- per-GPU vLLM
+flags, the ``Placement``, the independent checker, the infeasibility verdict -- so a policy only
+decides the assignment.  Contract tests (``tests/test_policies.py``) run over ``POLICIES``.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from lora_opt.placement import GPUConfig, Placement, placement_problems
+from lora_opt.workload import Workload
+from twin.errors import ScenarioError
+from twin.paths import CONFIGS_DIR
+from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
+
+SURROGATES_DIR = CONFIGS_DIR / "surrogates"
+
+
+@dataclass
+class GPUAssignment:
+    """What a policy decides for one GPU."""
+
+    adapters: list[tuple[int, float]]
+    """(index into workload.adapters, routing weight in (0, 1])."""
+    max_loras: int
+    """A_max (``--max-loras``)."""
+    predicted_throughput: float | None = None
+    """The oracle's throughput for this GPU (tok/s), when the policy asked one."""
+    margin: float | None = None
+    """Starvation margin: the extra load (fraction) this GPU takes before the oracle predicts
+    starvation; None when the policy has no oracle."""
+
+
+@dataclass
+class Assignment:
+    """A policy's whole answer."""
+
+    gpus: list[GPUAssignment]
+    unplaceable: list[int] = field(default_factory=list)
+    """Adapters the policy could not place at all (e.g. one adapter alone starves a GPU)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def bundled_surrogate_dir(profile_name: str) -> Path:
+    return SURROGATES_DIR / profile_name
+
+
+@functools.lru_cache(maxsize=8)
+def _load_oracle(path: str, kind: str):
+    if kind == "distilled":
+        from lora_opt.distill import DistilledSurrogate
+        return DistilledSurrogate.load(path)
+    from lora_opt.surrogate import Surrogate
+    return Surrogate.load(path)
+
+
+@dataclass
+class PlacementContext:
+    """What policies may consult besides the workload: the profile and the surrogates."""
+
+    profile: Profile
+    surrogate_dir: Path | None = None
+    """Directory with ``surrogate.joblib`` and ``distilled.json`` (default: the bundled one)."""
+
+    @classmethod
+    def for_workload(cls, wl: Workload, surrogate_dir: str | Path | None = None) -> PlacementContext:
+        profile = load_profile(wl.profile)
+        d = Path(surrogate_dir) if surrogate_dir else bundled_surrogate_dir(profile.name)
+        return cls(profile=profile, surrogate_dir=d)
+
+    def oracle(self, kind: str):
+        """The full surrogate (``kind='full'``) or its distilled trees (``'distilled'``)."""
+        fname = {"full": "surrogate.joblib", "distilled": "distilled.json"}[kind]
+        d = self.surrogate_dir
+        if d is None or not (d / fname).exists():
+            bundled = sorted(p.name for p in SURROGATES_DIR.iterdir() if p.is_dir()) if SURROGATES_DIR.exists() else []
+            raise ScenarioError(
+                f"surrogate: no {fname} for profile {self.profile.name!r} in {d}; bundled surrogates exist "
+                f"for {bundled}. Train one (lora-opt dataset ... && lora-opt train ...) and pass --surrogate DIR, "
+                "or use a policy without an oracle (dlora, loraserve)")
+        return _load_oracle(str(d / fname), kind)
+
+
+def lora_rank_for(ranks) -> int:
+    """Smallest vLLM ``--max-lora-rank`` value >= every rank."""
+    top = max(ranks)
+    return next(r for r in VLLM_LORA_RANKS if r >= top)
+
+
+def gpu_config(wl: Workload, profile: Profile, ranks, n_adapters: int, max_loras: int) -> GPUConfig:
+    e = wl.engine
+    return GPUConfig(max_loras=int(max_loras), max_lora_rank=lora_rank_for(ranks),
+                     max_cpu_loras=int(max(max_loras, n_adapters)), max_num_seqs=e.max_num_seqs,
+                     max_num_batched_tokens=e.max_num_batched_tokens,
+                     gpu_memory_utilization=e.gpu_memory_utilization,
+                     max_model_len=e.max_model_len or profile.model.max_model_len)
+
+
+class PlacementPolicy:
+    """Base class: subclasses set ``name``/``summary`` and implement ``assign``."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    uses_oracle: ClassVar[bool] = False
+    #: policies that may route one adapter to several GPUs
+    fractional: ClassVar[bool] = False
+
+    def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
+        """Decide the assignment.  May return more GPUs than ``gpus`` when the pool is too small
+        (the placement is then reported infeasible, with the count needed)."""
+        raise NotImplementedError
+
+    def place(self, wl: Workload, gpus: int, ctx: PlacementContext | None = None) -> Placement:
+        """Assignment -> checked ``Placement`` (``meta`` holds the verdict and predictions)."""
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ScenarioError(f"gpus: must be an integer >= 1, got {gpus!r}")
+        ctx = ctx or PlacementContext.for_workload(wl)
+        t0 = time.perf_counter()
+        asg = self.assign(wl, gpus, ctx)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        used = [g for g in asg.gpus if g.adapters]
+        configs, routes = [], {}
+        for gi, g in enumerate(used):
+            ranks = [wl.adapters[i].rank for i, _ in g.adapters]
+            configs.append(gpu_config(wl, ctx.profile, ranks, len(g.adapters), g.max_loras))
+            for i, w in g.adapters:
+                routes.setdefault(wl.adapters[i].id, []).append((gi, float(w)))
+        needed = len(used)
+        feasible = needed <= gpus and not asg.unplaceable
+        meta = {
+            "workload": wl.name, "rho": wl.rho, "gpus_pool": gpus, "gpus_used": needed if feasible else None,
+            "gpus_needed": needed if not asg.unplaceable else None, "feasible": feasible,
+            "unplaceable": [wl.adapters[i].id for i in asg.unplaceable],
+            "predicted_throughput": [g.predicted_throughput for g in used],
+            "starvation_margin": [g.margin for g in used],
+            "incoming_rate_req_s": [sum(wl.adapters[i].rate * w for i, w in g.adapters) for g in used],
+            "policy_wall_ms": wall_ms, "notes": asg.notes, "workload_meta": wl.meta,
+        }
+        p = Placement(profile=wl.profile, adapters=list(wl.adapters), gpus=configs, routes=routes,
+                      policy=self.name, meta=meta)
+        problems = placement_problems(p, ctx.profile, include_startup=False) if not asg.unplaceable else []
+        if problems:   # a policy bug, never a workload property: fail loudly
+            raise AssertionError(f"policy {self.name} produced an invalid placement: {problems}")
+        meta["gpus_failing_startup"] = startup_failures(p, ctx.profile)
+        return p
+
+
+def startup_failures(p: Placement, profile: Profile) -> list[int]:
+    """GPUs whose vLLM instance would not start (an OOM at start-up is a result, not an error)."""
+    out = []
+    for i, g in enumerate(p.gpus):
+        starts, _, _ = profile.startup_check(g.max_loras, g.max_lora_rank, g.gpu_memory_utilization,
+                                             g.max_num_batched_tokens, g.max_model_len, g.max_num_seqs)
+        if not starts:
+            out.append(i)
+    return out

@@ -1,0 +1,187 @@
+"""The two baselines of the paper, reimplemented from their descriptions
+(``shared/reference/vllm_lora_internals.md`` section 5).  Both set A_max to the adapters served per
+GPU, as the paper does for them -- which is what makes their instances OOM at start-up when many
+large-rank adapters share a GPU.  Neither consults the surrogates.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
+from lora_opt.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
+from lora_opt.workload import Workload
+
+
+class DLoRA(PlacementPolicy):
+    """dLoRA's proactive placement (``find_best_lora_weight_schedule``): round-robin start, then
+    greedy replica addition while the burst tolerance ``BT = min_k sum_{j hosts k} mem_j / p_k``
+    does not decrease; replicated adapters' requests are spread uniformly.  Uses every GPU of the
+    pool and has no throughput limit per GPU (as in the paper's comparison)."""
+
+    name = "dlora"
+    summary = "dLoRA proactive placement: round-robin + burst-tolerance replicas, A_max = adapters/GPU"
+    fractional = True
+
+    def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
+        N, K = len(wl.adapters), gpus
+        prof, e = ctx.profile, wl.engine
+        rates = np.array([a.rate for a in wl.adapters], float)
+        p = rates / rates.sum() if rates.sum() > 0 else np.full(N, 1.0 / N)
+        hosts: list[set[int]] = [{k % K} for k in range(N)]
+        members: list[set[int]] = [set() for _ in range(K)]
+        for k in range(N):
+            members[k % K].add(k)
+
+        def avail(j: int) -> float:
+            """KV memory (tokens) of engine j with A_max = its adapter count."""
+            if not members[j]:
+                return 0.0
+            lr = lora_rank_for([wl.adapters[k].rank for k in members[j]])
+            kv = prof.kv_capacity_tokens(len(members[j]), lr, e.gpu_memory_utilization, e.max_num_batched_tokens,
+                                         max_num_seqs=e.max_num_seqs)
+            return float(kv)
+
+        def burst_tolerance(av: list[float]) -> float:
+            return min((sum(av[j] for j in hosts[k]) / p[k] for k in range(N) if p[k] > 0), default=math.inf)
+
+        av = [avail(j) for j in range(K)]
+        bt = burst_tolerance(av)
+        for _ in range(N * K):
+            total = sum(len(h) for h in hosts)
+            share = np.array([len(h) / total for h in hosts]) - p
+            k = int(np.argmin(share))
+            accepted = False
+            for j in sorted((j for j in range(K) if j not in hosts[k]), key=lambda j: len(members[j])):
+                members[j].add(k)
+                hosts[k].add(j)
+                av_j = avail(j)
+                new_av = av[:j] + [av_j] + av[j + 1:]
+                new_bt = burst_tolerance(new_av)
+                if av_j > 0 and new_bt >= bt:      # the replica must fit in the engine's memory
+                    av, bt, accepted = new_av, new_bt, True
+                    break
+                members[j].discard(k)
+                hosts[k].discard(j)
+            if not accepted:
+                break
+        out = [GPUAssignment([(k, 1.0 / len(hosts[k])) for k in sorted(members[j])], len(members[j]))
+               for j in range(K)]
+        return Assignment(out)
+
+
+@functools.lru_cache(maxsize=64)
+def single_adapter_capacity(profile_name: str, rank: int, mnbt: int, mns: int, util: float, mml: int | None,
+                            duration_s: float = 120.0, rate: float = 40.0) -> float:
+    """The twin's throughput (tok/s) for one adapter of this rank at a saturating rate: LoRAServe's
+    per-rank operating point ("the maximum profiled throughput for a single adapter")."""
+    import twin
+    from twin.scenario import scenario_from_dict
+
+    eng = {"max_loras": 1, "max_lora_rank": lora_rank_for([rank]), "max_num_batched_tokens": mnbt,
+           "max_num_seqs": mns, "gpu_memory_utilization": util}
+    if mml:
+        eng["max_model_len"] = mml
+    sc = scenario_from_dict({"profile": profile_name, "adapters": [{"count": 1, "rank": rank, "rate": rate}],
+                             "engine": eng, "duration_s": duration_s, "seed": 0})
+    return float(twin.simulate(sc).throughput_tok_s)
+
+
+class LoRAServe(PlacementPolicy):
+    """LoRAServe's rank-aware placement: servers split between ranks in proportion to their demand
+    (in units of the rank's operating point), each rank's adapters filled in descending demand up to
+    the common target utilisation with fractional splits (routing probabilities), leftovers to
+    servers of sufficient rank with spare capacity.  Needs ``ceil(sum of demands)`` servers."""
+
+    name = "loraserve"
+    summary = "LoRAServe rank-aware fill to a target utilisation, fractional routing, A_max = adapters/GPU"
+    fractional = True
+
+    def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
+        e = wl.engine
+        ranks = np.array([a.rank for a in wl.adapters])
+        tps = np.array([a.rate for a in wl.adapters], float) * DEFAULT_TOKENS_PER_REQUEST
+        cap = {int(r): single_adapter_capacity(wl.profile, int(r), e.max_num_batched_tokens, e.max_num_seqs,
+                                               e.gpu_memory_utilization, e.max_model_len)
+               for r in sorted(set(ranks.tolist()))}
+        util = np.array([t / cap[int(r)] for t, r in zip(tps, ranks)])
+        d = {r: float(util[ranks == r].sum()) for r in cap}
+        total = sum(d.values())
+        S = max(gpus, math.ceil(total - 1e-9)) if total > 0 else gpus
+        target = max(total / S, 1e-12)
+        notes = [] if S <= gpus else [f"demand is {total:.2f} servers at the per-rank operating points"]
+        # integer servers per rank
+        n = {r: int(round(d[r] / target)) for r in cap}
+        while sum(n.values()) > S:
+            r = min((r for r in n if n[r] > 0), key=lambda r: d[r] / n[r])
+            n[r] -= 1
+        while sum(n.values()) < S:
+            r = max(n, key=lambda r: d[r] / n[r] if n[r] else math.inf)
+            n[r] += 1
+        servers: list[dict] = []            # {"rank": r, "used": util, "share": {adapter: util}}
+        leftovers: list[tuple[int, float]] = []
+        for r in sorted(cap, reverse=True):
+            mine = [len(servers) + i for i in range(n[r])]
+            servers += [{"rank": r, "used": 0.0, "share": {}} for _ in range(n[r])]
+            idx = [int(i) for i in np.flatnonzero(ranks == r)]
+            idx.sort(key=lambda i: -tps[i])
+            si = 0
+            for i in idx:
+                left = util[i]
+                while left > 1e-15 and si < len(mine):
+                    srv = servers[mine[si]]
+                    room = target - srv["used"]
+                    if room <= 1e-12:
+                        si += 1
+                        continue
+                    put = min(left, room)
+                    srv["share"][i] = srv["share"].get(i, 0.0) + put
+                    srv["used"] += put
+                    left -= put
+                if left > 1e-15 or (util[i] == 0 and not mine):
+                    leftovers.append((i, left))
+                elif util[i] == 0:
+                    servers[mine[min(si, len(mine) - 1)]]["share"].setdefault(i, 0.0)
+        rr = 0
+        for i, left in sorted(leftovers, key=lambda x: -x[1]):
+            if left < 1e-3:                   # tiny leftovers: round-robin
+                servers[rr % S]["share"][i] = servers[rr % S]["share"].get(i, 0.0) + left
+                servers[rr % S]["used"] += left
+                rr += 1
+                continue
+            tiers = ([s for s in servers if s["rank"] >= ranks[i] and s["used"] < target],
+                     [s for s in servers if s["used"] < target], [s for s in servers if s["used"] < 1.0])
+            for tier, limit in zip(tiers, (target, target, 1.0)):
+                for srv in tier:
+                    if left <= 1e-15:
+                        break
+                    put = min(left, limit - srv["used"])
+                    if put > 0:
+                        srv["share"][i] = srv["share"].get(i, 0.0) + put
+                        srv["used"] += put
+                        left -= put
+            if left > 1e-15:                   # over capacity everywhere: the least loaded server
+                srv = min(servers, key=lambda s: s["used"])
+                srv["share"][i] = srv["share"].get(i, 0.0) + left
+                srv["used"] += left
+        out = []
+        for srv in servers:
+            items = []
+            for i, u in srv["share"].items():
+                w = u / util[i] if util[i] > 0 else 1.0
+                items.append((i, w))
+            out.append(GPUAssignment(items, len(items)))
+        _fix_weights(out, len(wl.adapters))
+        return Assignment(out, notes=notes)
+
+
+def _fix_weights(gpus: list[GPUAssignment], n_adapters: int) -> None:
+    """Routing weights sum to exactly 1 per adapter; zero-demand adapters keep one server."""
+    total = np.zeros(n_adapters)
+    for g in gpus:
+        for i, w in g.adapters:
+            total[i] += w
+    for g in gpus:
+        g.adapters = [(i, w / total[i]) for i, w in g.adapters if total[i] > 0 and w / total[i] > 1e-12]

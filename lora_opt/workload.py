@@ -1,0 +1,216 @@
+"""Workload files: the adapters to place (id, rank, expected rate, optional path), the engine
+flags every vLLM instance shares, and how ``lora-opt evaluate`` replays traffic on the twin.
+
+    profile: llama-3.1-8b-h100-64gb
+    rho: 0.9
+    adapters:
+      - {id: support-bot, rank: 16, rate: 0.2, path: /models/support-bot}
+      - {count: 600, rank: 8, rate: 0.004, prefix: t8-}      # ids t8-0 .. t8-599
+    engine: {max_num_seqs: 2048, max_num_batched_tokens: 2048, gpu_memory_utilization: 0.9}
+    evaluation: {arrivals: {process: poisson}, lengths: sharegpt, duration_s: 3600, seed: 0}
+
+Errors name the field and the allowed values (``ScenarioError``), like scenario files.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lora_opt.placement import Adapter
+from twin.errors import ScenarioError
+from twin.profile import VLLM_LORA_RANKS
+from twin.scenario import ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, scenario_from_dict
+
+
+@dataclass(frozen=True)
+class PlacementEngine:
+    """Flags every instance of a placement shares (A_max, max_lora_rank and max_cpu_loras are
+    chosen per GPU).  The defaults are those the bundled surrogates were trained with."""
+
+    max_num_seqs: int = 2048
+    """``--max-num-seqs`` (pinned: vLLM's default depends on the GPU)."""
+    max_num_batched_tokens: int = 2048
+    """``--max-num-batched-tokens`` (chunked-prefill token budget per step)."""
+    gpu_memory_utilization: float = 0.9
+    """``--gpu-memory-utilization`` in (0, 1]."""
+    max_model_len: int | None = None
+    """``--max-model-len``; null = the model's own (the setting the surrogates were trained with).
+    vLLM refuses to start when the KV cache cannot hold one request of this length."""
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """How ``lora-opt evaluate`` generates the traffic it replays (same fields as a scenario's)."""
+
+    arrivals: ArrivalConfig = ArrivalConfig()
+    """poisson at each adapter's rate (default), lognormal, nonstationary, or a trace."""
+    lengths: LengthConfig = LengthConfig()
+    """Request lengths; default the ShareGPT model the surrogates were trained on."""
+    duration_s: float = 3600.0
+    """Replayed seconds (> 0)."""
+    seed: int = 0
+    """Seed of arrivals, lengths, the trace mapping and fractional routing draws."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Adapters to place, shared engine flags, starvation threshold, evaluation traffic."""
+
+    profile: str
+    """A bundled profile name or a path to a profile YAML (hardware + model + vLLM version)."""
+    adapters: tuple[Adapter, ...]
+    """Every adapter, groups expanded; ids unique."""
+    rho: float = 0.9
+    """Starvation threshold: a GPU starves when throughput < rho x incoming token rate; in (0, 1]."""
+    engine: PlacementEngine = PlacementEngine()
+    evaluation: EvaluationConfig = EvaluationConfig()
+    name: str = ""
+    """Label for reports (default: the file name)."""
+    meta: dict = field(default_factory=dict)
+    """Free-form provenance (e.g. how rates were estimated); copied into placement.json."""
+
+    @property
+    def total_rate(self) -> float:
+        return sum(a.rate for a in self.adapters)
+
+    def to_dict(self) -> dict:
+        import dataclasses
+        d = dataclasses.asdict(self)
+        d["adapters"] = [{k: v for k, v in a.items() if v is not None} for a in d["adapters"]]
+        return d
+
+
+_ADAPTER_KEYS = {"id", "rank", "rate", "path"}
+_GROUP_KEYS = {"count", "rank", "rate", "prefix", "path_template"}
+
+
+def _parse_adapter_entry(i: int, entry: Any, where: str) -> list[Adapter]:
+    w = f"{where}[{i}]"
+    if not isinstance(entry, dict):
+        raise ScenarioError(f"{w}: expected a mapping {{id, rank, rate[, path]}} or a group "
+                            f"{{count, rank, rate[, prefix, path_template]}}, got {entry!r}")
+    group = "count" in entry
+    allowed = _GROUP_KEYS if group else _ADAPTER_KEYS
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise ScenarioError(f"{w}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+    for req in ("rank", "rate") + (("count",) if group else ("id",)):
+        if req not in entry:
+            raise ScenarioError(f"{w}.{req}: required")
+    rank = _check_type(entry["rank"], "int", f"{w}.rank")
+    if not 1 <= rank <= max(VLLM_LORA_RANKS):
+        raise ScenarioError(f"{w}.rank: {rank} outside 1..{max(VLLM_LORA_RANKS)} "
+                            f"(vLLM's max_lora_rank values: {list(VLLM_LORA_RANKS)})")
+    rate = _check_type(entry["rate"], "float", f"{w}.rate")
+    if rate < 0:
+        raise ScenarioError(f"{w}.rate: must be >= 0 requests/s, got {rate}")
+    if not group:
+        aid = _check_type(entry["id"], "str", f"{w}.id")
+        if not aid or any(c.isspace() for c in aid) or "=" in aid:
+            raise ScenarioError(f"{w}.id: {aid!r} must be non-empty without spaces or '=' "
+                                "(it becomes --lora-modules id=path)")
+        path = _check_type(entry.get("path"), "str | None", f"{w}.path")
+        return [Adapter(aid, rank, rate, path)]
+    count = _check_type(entry["count"], "int", f"{w}.count")
+    if count < 1:
+        raise ScenarioError(f"{w}.count: must be >= 1, got {count}")
+    prefix = _check_type(entry.get("prefix", f"g{i}-"), "str", f"{w}.prefix")
+    tmpl = _check_type(entry.get("path_template"), "str | None", f"{w}.path_template")
+    if tmpl is not None and "{id}" not in tmpl:
+        raise ScenarioError(f"{w}.path_template: must contain '{{id}}', got {tmpl!r}")
+    return [Adapter(f"{prefix}{k}", rank, rate, tmpl.format(id=f"{prefix}{k}") if tmpl else None)
+            for k in range(count)]
+
+
+def _parse_evaluation(value: Any, where: str) -> EvaluationConfig:
+    ev = _build(EvaluationConfig, value, where,
+                arrivals=lambda v, w: _build(ArrivalConfig, v, w), lengths=_parse_lengths)
+    if not ev.duration_s > 0:
+        raise ScenarioError(f"{where}.duration_s: must be > 0, got {ev.duration_s}")
+    if ev.seed < 0:
+        raise ScenarioError(f"{where}.seed: must be >= 0, got {ev.seed}")
+    return ev
+
+
+def workload_from_dict(data: Any, where: str = "workload") -> Workload:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{where}: expected a mapping at the top level")
+    allowed = {"profile", "adapters", "rho", "engine", "evaluation", "name", "meta"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+    if "profile" not in data:
+        raise ScenarioError(f"{where}.profile: required (a bundled profile name or a profile YAML path)")
+    profile = _check_type(data["profile"], "str", f"{where}.profile")
+    entries = data.get("adapters")
+    if not isinstance(entries, list) or not entries:
+        raise ScenarioError(f"{where}.adapters: at least one adapter or group is required")
+    adapters: list[Adapter] = []
+    for i, e in enumerate(entries):
+        adapters += _parse_adapter_entry(i, e, f"{where}.adapters")
+    seen: set[str] = set()
+    for a in adapters:
+        if a.id in seen:
+            raise ScenarioError(f"{where}.adapters: duplicate adapter id {a.id!r}")
+        seen.add(a.id)
+    rho = _check_type(data.get("rho", 0.9), "float", f"{where}.rho")
+    if not 0 < rho <= 1:
+        raise ScenarioError(f"{where}.rho: must be in (0, 1], got {rho}")
+    engine = _build(PlacementEngine, data.get("engine") or {}, f"{where}.engine")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        v = getattr(engine, name)
+        if v is not None and v < 1:
+            raise ScenarioError(f"{where}.engine.{name}: must be >= 1, got {v}")
+    if not 0 < engine.gpu_memory_utilization <= 1:
+        raise ScenarioError(f"{where}.engine.gpu_memory_utilization: must be in (0, 1], "
+                            f"got {engine.gpu_memory_utilization}")
+    ev = _parse_evaluation(data.get("evaluation") or {}, f"{where}.evaluation")
+    meta = data.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise ScenarioError(f"{where}.meta: expected a mapping")
+    wl = Workload(profile=profile, adapters=tuple(adapters), rho=rho, engine=engine, evaluation=ev,
+                  name=_check_type(data.get("name", ""), "str", f"{where}.name"), meta=meta)
+    # the profile must exist and the evaluation traffic must make a valid scenario
+    from twin.profile import load_profile
+    load_profile(profile)
+    scenario_from_dict(evaluation_scenario(wl, wl.adapters[:1]), where)
+    return wl
+
+
+def load_workload(path: str | Path) -> Workload:
+    p = Path(path)
+    if not p.exists():
+        raise ScenarioError(f"workload file not found: {p}")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
+    wl = workload_from_dict(data, where=p.name)
+    if not wl.name:
+        import dataclasses
+        wl = dataclasses.replace(wl, name=p.stem)
+    return wl
+
+
+#: scenario rates must be > 0; an adapter expected to be idle gets this (no requests in practice)
+IDLE_RATE = 1e-12
+
+
+def evaluation_scenario(wl: Workload, adapters, engine: dict | None = None) -> dict:
+    """Scenario dict serving ``adapters`` with the workload's evaluation traffic (one adapter a
+    group, so each keeps its id)."""
+    import dataclasses
+    ev = wl.evaluation
+    return {
+        "profile": wl.profile,
+        "adapters": [{"count": 1, "rank": a.rank, "rate": max(a.rate, IDLE_RATE), "id": a.id} for a in adapters],
+        "engine": engine or {},
+        "arrivals": dataclasses.asdict(ev.arrivals),
+        "lengths": dataclasses.asdict(ev.lengths),
+        "duration_s": ev.duration_s, "rho": wl.rho, "seed": ev.seed,
+    }

@@ -1,0 +1,99 @@
+"""End to end: lora-opt place / evaluate from the command line."""
+import json
+import shlex
+
+import pytest
+
+from lora_opt.cli import main
+from lora_opt.placement import Placement
+from lora_opt.vllm_launch import validate_serve_args
+from twin.paths import CONFIGS_DIR
+
+EXAMPLE = str(CONFIGS_DIR / "workloads" / "example.yaml")
+
+
+def write(tmp_path, text, name="w.yaml"):
+    f = tmp_path / name
+    f.write_text(text)
+    return str(f)
+
+
+SMALL = """profile: llama-3.1-8b-h100-64gb
+adapters:
+  - {count: 40, rank: 8, rate: 0.2, prefix: s-}
+  - {count: 20, rank: 16, rate: 0.1, prefix: m-, path_template: "/ckpt/{id}"}
+evaluation: {duration_s: 300}
+"""
+
+
+def test_place_writes_placement_commands_and_router(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--out", str(out), "--emit-vllm"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "A_max" in text and "margin" in text and "GPUs used by greedy-plus" in text
+    p = Placement.load(out / "placement.json")
+    assert set(p.routes) == {f"s-{i}" for i in range(40)} | {f"m-{i}" for i in range(20)}
+    lines = (out / "vllm" / "serve_commands.txt").read_text().splitlines()
+    assert len(lines) == len(p.gpus)
+    for line in lines:
+        argv = shlex.split(line)[1:]             # drop CUDA_VISIBLE_DEVICES=i
+        assert validate_serve_args(argv) == []
+        assert "--max-model-len" in argv and "--max-num-seqs" in argv and "--enable-lora" in argv
+    assert "m-0=/ckpt/m-0" in "\n".join(lines)
+    router = json.loads((out / "router.json").read_text())
+    assert router["s-0"][0]["endpoint"].startswith("http://127.0.0.1:80")
+
+
+def test_pool_too_small_says_how_many_gpus(tmp_path, capsys):
+    heavy = SMALL.replace("rate: 0.2", "rate: 1.5")
+    rc = main(["place", "--workload", write(tmp_path, heavy), "--gpus", "1", "--out", str(tmp_path / "o"),
+               "--policy", "greedy-fast"])
+    text = capsys.readouterr().out
+    assert rc == 3
+    assert "infeasible: the workload needs" in text and "Rerun with --gpus" in text
+    assert not (tmp_path / "o" / "placement.json").exists()
+
+
+def test_baseline_that_does_not_start_is_written_without_commands(tmp_path, capsys):
+    big = "profile: llama-3.1-8b-h100-64gb\nadapters:\n  - {count: 700, rank: 32, rate: 0.005}\n"
+    out = tmp_path / "o"
+    rc = main(["place", "--workload", write(tmp_path, big), "--gpus", "1", "--policy", "dlora",
+               "--out", str(out), "--emit-vllm"])
+    text = capsys.readouterr().out
+    assert rc == 4 and "not deployable" in text and "would not start" in text
+    assert (out / "placement.json").exists() and not (out / "vllm").exists()
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--gpus", "0"], "gpus: must be an integer >= 1"),
+    (["--margin", "3"], "margin: must be in [0, 1]"),
+])
+def test_bad_arguments_are_clear_errors(tmp_path, capsys, args, match):
+    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", *args])
+    assert rc == 2 and match in capsys.readouterr().err
+
+
+def test_bad_workload_names_the_field(tmp_path, capsys):
+    rc = main(["place", "--workload", write(tmp_path, SMALL.replace("rank: 16", "rank: sixteen")), "--gpus", "2"])
+    assert rc == 2 and "adapters[1].rank: expected an integer" in capsys.readouterr().err
+
+
+def test_evaluate_cli_json(tmp_path, capsys):
+    out = tmp_path / "o"
+    wl = write(tmp_path, SMALL)
+    assert main(["place", "--workload", wl, "--gpus", "2", "--out", str(out), "--policy", "greedy-fast"]) == 0
+    capsys.readouterr()
+    rc = main(["evaluate", str(out / "placement.json"), "--workload", wl, "--workers", "1", "--duration-s", "120",
+               "--json", "--out", str(tmp_path / "ev.json")])
+    ev = json.loads(capsys.readouterr().out)
+    assert rc == 0 and ev["policy"] == "greedy-fast" and ev["duration_s"] == 120
+    for key in ("gpus_used", "gpus_starving", "gpus_failing_startup", "throughput_tok_s", "ttft_ms", "itl_ms",
+                "per_gpu"):
+        assert key in ev
+    assert json.loads((tmp_path / "ev.json").read_text()) == ev
+
+
+def test_evaluate_missing_file(tmp_path, capsys):
+    assert main(["evaluate", str(tmp_path / "nope.json")]) == 2
+    assert "placement file not found" in capsys.readouterr().err
