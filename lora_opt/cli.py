@@ -187,7 +187,8 @@ def cmd_evaluate(args) -> int:
     wl = with_evaluation(wl, process=args.arrivals, trace=args.trace, mapping=args.mapping,
                          time_scale=args.time_scale, start_s=args.start_s, duration_s=args.duration_s,
                          lengths=args.lengths, seed=args.seed)
-    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address, progress=not args.json)
+    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address, progress=not args.json,
+                            grace_s=args.grace_s)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(ev, indent=1))
@@ -287,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, help="seed of arrivals, lengths, mapping and routing draws")
     ev.add_argument("--workers", type=int, help="parallel workers (1 = serial, no Ray; default: all cores)")
     ev.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+    ev.add_argument("--grace-s", type=float, default=60.0,
+                    help="starvation verdict ignores requests arriving this close to the end (0 = benchmark_serving's definition)")
     ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
     ev.add_argument("--out", help="also write the evaluation JSON here")
     ev.set_defaults(func=cmd_evaluate)

@@ -101,19 +101,30 @@ def placement_problems(p: Placement, profile: Profile, *, include_startup: bool 
     ids = [a.id for a in p.adapters]
     if len(set(ids)) != len(ids):
         problems.append("adapter ids are not unique")
+    n_gpus = len(p.gpus)
+    max_rank = [g.max_lora_rank for g in p.gpus]
     for a in p.adapters:
         rs = p.routes.get(a.id)
         if not rs:
             problems.append(f"adapter {a.id}: not routed to any GPU")
             continue
-        if any(not 0 <= g < len(p.gpus) for g, _ in rs):
+        if len(rs) == 1:                       # the common case, kept cheap (100k adapters)
+            g, w = rs[0]
+            if not 0 <= g < n_gpus:
+                problems.append(f"adapter {a.id}: routed to a GPU that does not exist")
+            elif w != 1.0 and not math.isclose(w, 1.0, abs_tol=1e-9):
+                problems.append(f"adapter {a.id}: routing weights must be > 0 and sum to 1, got {[w]}")
+            elif a.rank > max_rank[g]:
+                problems.append(f"adapter {a.id}: rank {a.rank} > max_lora_rank {max_rank[g]} of GPU {g}")
+            continue
+        if any(not 0 <= g < n_gpus for g, _ in rs):
             problems.append(f"adapter {a.id}: routed to a GPU that does not exist")
             continue
         if any(w <= 0 for _, w in rs) or not math.isclose(sum(w for _, w in rs), 1.0, abs_tol=1e-9):
             problems.append(f"adapter {a.id}: routing weights must be > 0 and sum to 1, got {[w for _, w in rs]}")
         for g, _ in rs:
-            if a.rank > p.gpus[g].max_lora_rank:
-                problems.append(f"adapter {a.id}: rank {a.rank} > max_lora_rank {p.gpus[g].max_lora_rank} of GPU {g}")
+            if a.rank > max_rank[g]:
+                problems.append(f"adapter {a.id}: rank {a.rank} > max_lora_rank {max_rank[g]} of GPU {g}")
     for extra in sorted(set(p.routes) - set(ids)):
         problems.append(f"route for unknown adapter {extra}")
     for i, g in enumerate(p.gpus):

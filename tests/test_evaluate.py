@@ -83,3 +83,29 @@ def test_placement_alone_is_enough_and_mismatch_is_refused():
 def test_adapter_objects_round_trip():
     a = Adapter("x", 8, 0.1, "/m/x")
     assert Adapter(**{"id": "x", "rank": 8, "rate": 0.1, "path": "/m/x"}) == a
+
+
+def test_unrouted_adapters_count_as_lost_load():
+    wl = wl_small()
+    p = two_gpu_split(wl)
+    del p.routes[wl.adapters[0].id]
+    ev = evaluate_placement(p, wl, workers=1, progress=False)
+    assert ev["unrouted_adapters"] == 1 and ev["unrouted_requests"] > 0
+    assert ev["throughput_tok_s"] < ev["incoming_token_rate"]
+
+
+def test_grace_period_ignores_requests_still_running_at_the_end():
+    """A burst in the last seconds leaves tokens in flight: starving by the whole-window definition,
+    not by the graced verdict (the GPU keeps up)."""
+    from twin.workload import Requests
+    wl = wl_small(duration=120)
+    p = two_gpu_split(wl)
+    n = 60
+    t = np.concatenate([np.linspace(0, 100, 20), np.linspace(117, 119.5, n - 20)])
+    req = Requests(arrival=t, adapter=np.zeros(n, np.int32), in_len=np.full(n, 200, np.int32),
+                   out_len=np.full(n, 400, np.int32))
+    ev = evaluate_placement(p, wl, requests=req, duration_s=120, workers=1, progress=False)
+    g = ev["per_gpu"][0]
+    assert g["starving_window"] and not g["starving"] and g["served_fraction"] == 1.0
+    ev0 = evaluate_placement(p, wl, requests=req, duration_s=120, workers=1, progress=False, grace_s=0)
+    assert ev0["per_gpu"][0]["starving"]

@@ -92,7 +92,8 @@ class Result:
     timeseries: dict[str, np.ndarray] | None = None
     samples: dict[str, np.ndarray] | None = None
     """Raw latencies, so results of several GPUs combine exactly: ``ttft_ms`` (per completed
-    request), ``itl_ms`` / ``itl_count`` (inter-token gaps and how many tokens saw each)."""
+    request), ``itl_ms`` / ``itl_count`` (inter-token gaps and how many tokens saw each), and per
+    request ``arrival_s``, ``tokens`` (prompt + output) and ``done`` (completed in the window)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RESULT_KEYS}
@@ -214,4 +215,5 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         adapter_loads_cpu=loads_cpu, adapter_loads_disk=loads_disk, kv_cache_tokens=int(kv_tokens),
         stopped_early_s=stopped, steps=steps, arrived=len(req), dropped=n_dropped,
         wall_s=time.perf_counter() - t_wall, engine=eng, timeseries=ts,
-        samples={"ttft_ms": ttft, "itl_ms": itl_values, "itl_count": itl_counts})
+        samples={"ttft_ms": ttft, "itl_ms": itl_values, "itl_count": itl_counts,
+                 "arrival_s": req.arrival, "tokens": (req.in_len + req.out_len).astype(np.int64), "done": done})

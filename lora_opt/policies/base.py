@@ -12,7 +12,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from lora_opt.placement import GPUConfig, Placement, placement_problems
 from lora_opt.workload import Workload
@@ -68,12 +68,20 @@ class PlacementContext:
     profile: Profile
     surrogate_dir: Path | None = None
     """Directory with ``surrogate.joblib`` and ``distilled.json`` (default: the bundled one)."""
+    history: Any = None
+    """Observed requests (``twin.workload.Requests``, adapter indices = workload order) from which
+    the rates were estimated; greedy-plus verifies GPUs on them, bursts included."""
+    history_s: float = 0.0
+    """Length of the observed window (s)."""
 
     @classmethod
-    def for_workload(cls, wl: Workload, surrogate_dir: str | Path | None = None) -> PlacementContext:
+    def for_workload(cls, wl: Workload, surrogate_dir: str | Path | None = None, history=None,
+                     history_s: float = 0.0) -> PlacementContext:
         profile = load_profile(wl.profile)
         d = Path(surrogate_dir) if surrogate_dir else bundled_surrogate_dir(profile.name)
-        return cls(profile=profile, surrogate_dir=d)
+        if history is not None and not history_s > 0:
+            raise ScenarioError("history_s: the observed window must be > 0 s when a history is given")
+        return cls(profile=profile, surrogate_dir=d, history=history, history_s=history_s)
 
     def oracle(self, kind: str):
         """The full surrogate (``kind='full'``) or its distilled trees (``'distilled'``)."""

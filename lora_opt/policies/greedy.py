@@ -17,7 +17,9 @@ configuration at a time: 1.59 s with its RF for 1,280 adapters on 4 GPUs).
   and the next GPU opens.  A_max only moves forward along T.  (Our additions, needed to finish on
   any input: the final partial batch is tested too, A_max never exceeds the adapters served, and a
   GPU whose first batch of 8 fails retries 4, 2, 1 adapters; an adapter that starves a GPU alone
-  is reported unplaceable.)
+  is reported unplaceable.)  Past 384 the paper is silent; its own results (1,280 adapters served
+  by 1.6 GPUs on average) need GPUs of more than 384 adapters, so testing continues every 64
+  adapters, A_max staying on T and the surrogate seeing at most 384 adapters (as a forest would).
 
 ``greedy-plus`` (ours), three changes, each aimed at a weakness the BRIEF lists:
   1. A_max from every integer that fits in memory (the profile's start-up check), not 11 values,
@@ -54,8 +56,11 @@ from lora_opt.workload import Workload
 from twin.profile import Profile
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
-#: the largest adapter count per GPU the surrogates were trained on
-MAX_ADAPTERS_PER_GPU = TESTING_POINTS[-1]
+#: the largest adapter count (and A_max) per GPU the surrogates were trained on; larger segments
+#: are described to them as this many (a random forest's answer for any larger count)
+SURROGATE_MAX_ADAPTERS = TESTING_POINTS[-1]
+#: testing points past the last one, every this many adapters (see Greedy)
+EXTRA_TESTING_STEP = 64
 #: and the smallest (smaller segments are asked as this many, the extra ones idle)
 MIN_ADAPTERS_PER_GPU = TESTING_POINTS[0]
 #: requests/s below which an adapter is never split across GPUs (416 tok/s, a few % of any GPU)
@@ -72,14 +77,9 @@ def zigzag(values: np.ndarray) -> np.ndarray:
     """Indices of ``values`` in zig-zag order: highest, lowest, second highest, second lowest..."""
     order = np.argsort(-values, kind="stable")
     out = np.empty_like(order)
-    lo, hi = 0, len(order) - 1
-    for k in range(len(order)):
-        if k % 2 == 0:
-            out[k] = order[lo]
-            lo += 1
-        else:
-            out[k] = order[hi]
-            hi -= 1
+    half = (len(order) + 1) // 2
+    out[0::2] = order[:half]
+    out[1::2] = order[half:][::-1]
     return out
 
 
@@ -109,12 +109,13 @@ class Segments:
         self.r2 = np.concatenate([z, np.cumsum(self.ranks ** 2)])
         self.tpr = tokens_per_request
 
-    def rows(self, s: int, n, amax, load=1.0, pad_to: int = 0) -> np.ndarray:
+    def rows(self, s: int, n, amax, load=1.0, pad_to: int = 0, n_cap: int = SURROGATE_MAX_ADAPTERS) -> np.ndarray:
         """Feature rows (FEATURES order) for segments [s, s+n) with A_max ``amax`` at ``load``
         x the expected rates (arrays broadcast).  ``pad_to``: segments of fewer adapters are
         described as that many, the extra ones idle (rate 0) at the segment's max rank and A_max
         raised to match -- the surrogates never saw fewer than 8 adapters, and idle adapters add
-        no load (so the padded question is the conservative one)."""
+        no load (so the padded question is the conservative one).  ``n_cap``: the adapter-count
+        feature is clipped there (rates and ranks still describe the whole segment)."""
         n = np.asarray(n, np.int64)
         e = s + n
         r_max = self.ranks[s]
@@ -130,8 +131,8 @@ class Segments:
         rstd = np.where(nf > 1, rstd, 0.0)
         load = np.asarray(load, float)
         amax = np.maximum(np.asarray(amax, float), np.minimum(nf, pad_to) if pad_to else 0.0)
-        cols = np.broadcast_arrays(nf, qs * load, qstd * load, np.full_like(nf, r_max), rm, rstd,
-                                   amax, qs * load * self.tpr)
+        cols = np.broadcast_arrays(np.minimum(nf, n_cap), qs * load, qstd * load, np.full_like(nf, r_max), rm, rstd,
+                                   np.minimum(amax, n_cap), qs * load * self.tpr)
         X = np.stack(cols, axis=-1).astype(np.float64)
         return X.reshape(-1, len(FEATURES))
 
@@ -149,11 +150,11 @@ def starvation_margin(oracle, seg: Segments, s: int, n: int, amax: int) -> float
     return float(SURROGATE_RHO * MARGIN_GRID[k - 1] - 1.0)
 
 
-def max_loras_that_start(profile: Profile, rank: int, util: float, mnbt: int, mml: int, mns: int) -> int:
-    """Largest A_max (<= the training range) whose instance starts, by the profile's memory model
-    (0 if none does)."""
+def max_loras_that_start(profile: Profile, rank: int, util: float, mnbt: int, mml: int, mns: int,
+                         limit: int = SURROGATE_MAX_ADAPTERS) -> int:
+    """Largest A_max <= ``limit`` whose instance starts, by the profile's memory model (0 if none)."""
     lr = lora_rank_for([rank])
-    lo, hi = 0, MAX_ADAPTERS_PER_GPU          # invariant: lo starts (or 0), hi+1.. unknown
+    lo, hi = 0, limit                         # invariant: lo starts (or 0), hi+1.. unknown
     if profile.startup_check(hi, lr, util, mnbt, mml, mns)[0]:
         return hi
     while hi - lo > 1:
@@ -186,7 +187,8 @@ class Greedy(_GreedyBase):
         """(adapters committed, A_max, predicted throughput) for the GPU starting at s."""
         T = TESTING_POINTS
         ends = [t for t in T if t <= remaining]
-        if remaining < T[-1] and remaining not in ends:
+        ends += list(range(T[-1] + EXTRA_TESTING_STEP, remaining + 1, EXTRA_TESTING_STEP))
+        if remaining not in ends:
             ends.append(remaining)            # the last, partial batch is tested too
         pairs = sorted({(n, min(t, n)) for n in ends for t in T})
         X = seg.rows(s, np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]),
@@ -246,8 +248,14 @@ class GreedyPlus(_GreedyBase):
     oracle_kind = "full"
 
     def __init__(self, margin: float = 0.10, oracle: str | None = None, verify_s: float = 900.0,
-                 ttft_p99_s: float | None = 5.0):
+                 ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True):
         from twin.errors import ScenarioError
+        if not isinstance(max_adapters, int) or max_adapters < 1:
+            raise ScenarioError(f"max_adapters: must be an integer >= 1, got {max_adapters!r}")
+        #: adapters per GPU at most: beyond the surrogates' 384 only with twin verification
+        self.max_adapters = max_adapters
+        #: re-cut the GPUs the packing needs into parts of equal load (see _balanced)
+        self.balance = balance
         if not 0 <= margin <= 1:
             raise ScenarioError(f"margin: must be in [0, 1], got {margin}")
         if verify_s < 0:
@@ -265,29 +273,43 @@ class GreedyPlus(_GreedyBase):
             self.oracle_kind = oracle
 
     def _twin_ok(self, wl: Workload, ctx: PlacementContext, idx, amax: int) -> bool:
-        """The twin's verdict on one GPU: its adapters at (1 + margin) x their rates (Poisson, the
-        workload's lengths) for ``verify_s`` seconds; it starts, does not starve and keeps p99
-        TTFT <= ttft_p99_s (requests waiting for an adapter slot starve while throughput looks
-        fine)."""
+        """The twin's verdict on one GPU at (1 + margin) x its load: it starts, does not starve and
+        keeps p99 TTFT <= ttft_p99_s (requests waiting for an adapter slot starve while throughput
+        looks fine).  The traffic: the observed requests of its adapters (``ctx.history``) with
+        time compressed by 1 + margin -- bursts included -- or, without history, Poisson arrivals
+        at the expected rates for ``verify_s`` seconds with the workload's lengths."""
+        import dataclasses
+
         import twin
         from twin.scenario import scenario_from_dict
+        from twin.workload import Requests
 
         from lora_opt.policies.base import gpu_config
         from lora_opt.workload import IDLE_RATE
         ads = [wl.adapters[i] for i in idx]
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
-        import dataclasses
-        sc = scenario_from_dict({
+        f = 1.0 + self.margin
+        spec = {
             "profile": wl.profile, "engine": dataclasses.asdict(cfg),
-            "adapters": [{"count": 1, "rank": a.rank, "rate": max(a.rate * (1 + self.margin), IDLE_RATE)}
-                         for a in ads],
+            "adapters": [{"count": 1, "rank": a.rank, "rate": max(a.rate * f, IDLE_RATE)} for a in ads],
             "arrivals": {"process": "poisson"}, "lengths": dataclasses.asdict(wl.evaluation.lengths),
-            "duration_s": self.verify_s, "rho": wl.rho, "seed": wl.evaluation.seed,
-            "early_stop": True},
-            "greedy-plus verification")
-        res = twin.simulate(sc)
+            "duration_s": self.verify_s, "rho": wl.rho, "seed": wl.evaluation.seed, "early_stop": True}
+        requests = None
+        if ctx.history is not None:
+            h = ctx.history
+            local = np.full(len(wl.adapters), -1, np.int64)
+            local[np.asarray(idx)] = np.arange(len(ads))
+            sel = np.flatnonzero(local[h.adapter] >= 0)
+            requests = Requests(arrival=np.ascontiguousarray(h.arrival[sel] / f),
+                                adapter=local[h.adapter[sel]].astype(np.int32),
+                                in_len=h.in_len[sel], out_len=h.out_len[sel])
+            spec["duration_s"] = ctx.history_s / f
+        res = twin.simulate(scenario_from_dict(spec, "greedy-plus verification"), requests=requests)
         self.twin_calls += 1
-        if res.status != "ok" or res.starving:
+        if res.status != "ok":
+            return False
+        from lora_opt.evaluate import GRACE_S, served_fraction
+        if served_fraction(res, res.duration_s, GRACE_S) < wl.rho:
             return False
         p99 = res.ttft_ms["p99"]
         return self.ttft_p99_s is None or p99 is None or p99 <= self.ttft_p99_s * 1000.0
@@ -364,35 +386,83 @@ class GreedyPlus(_GreedyBase):
         seg = Segments(ranks, rates)
         e, prof = wl.engine, ctx.profile
         mml = e.max_model_len or prof.model.max_model_len
-        caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
-                                             mml, e.max_num_seqs) for r in set(ranks.tolist())}
+        limit = self.max_adapters if self.verify_s > 0 else min(self.max_adapters, SURROGATE_MAX_ADAPTERS)
+        mem_caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
+                                                 mml, e.max_num_seqs, limit) for r in set(ranks.tolist())}
         s, N = 0, len(order)
         self.twin_calls = 0
+        packed: list[tuple[int, int, int, float | None]] = []
         while s < N:
-            cap = caps[int(ranks[s])]
-            nmax = min(N - s, MAX_ADAPTERS_PER_GPU)
+            mem_cap = mem_caps[int(ranks[s])]
+            cap = min(mem_cap, SURROGATE_MAX_ADAPTERS)      # A_max values the surrogate knows
+            nmax = min(N - s, limit)
             found = self._largest(lambda n: self._best(oracle, seg, s, n, cap), nmax)
-            if self.verify_s > 0 and cap > 0:
+            if self.verify_s > 0 and mem_cap > 0:
                 # the twin is the judge; the surrogate bounds the search and picks A_max.  Where the
                 # surrogate accepts nothing (it is unreliable at very low load, where its training
                 # data is sparse) the twin searches from the full segment with every adapter resident.
                 def verified(n):
                     r = self._best(oracle, seg, s, n, cap)
-                    if not r[0]:
-                        r = (True, min(n, cap), None)
-                    return r if self._twin_ok(wl, ctx, order[s:s + n], r[1]) else (False, 0, 0.0)
+                    if r[0] and self._twin_ok(wl, ctx, order[s:s + n], r[1]):
+                        return r
+                    # the surrogate's A_max fails (or it has none): every adapter resident, as far
+                    # as memory allows, removes the waits for a slot
+                    alt = min(n, mem_cap)
+                    if (not r[0] or alt != r[1]) and self._twin_ok(wl, ctx, order[s:s + n], alt):
+                        return True, alt, None
+                    return False, 0, 0.0
                 found = self._largest(verified, found[0] if found is not None else nmax)
             if found is None:
                 unplaceable.append(int(order[s]))
                 s += 1
                 continue
             n, (ok, amax, thr) = found
+            packed.append((s, n, amax, thr))
+            s += n
+        if self.balance and len(packed) >= 2 and not unplaceable:
+            # equal parts serve more than full GPUs plus a light one: try one GPU fewer first
+            for k in (len(packed) - 1, len(packed)):
+                parts = self._balanced(k, wl, ctx, oracle, seg, order, mem_caps, ranks, notes)
+                if parts:
+                    packed = parts
+                    break
+        for s, n, amax, thr in packed:
             margin = starvation_margin(oracle, seg, s, n, amax)
             out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin))
-            s += n
         if self.verify_s > 0:
-            notes.append(f"twin verification: {self.twin_calls} simulations of {self.verify_s:g} s")
+            what = (f"the observed {ctx.history_s:g} s of traffic" if ctx.history is not None
+                    else f"{self.verify_s:g} s of Poisson traffic")
+            notes.append(f"twin verification: {self.twin_calls} simulations of {what} at {1 + self.margin:g}x load")
         return Assignment(out, sorted(unplaceable), notes)
+
+    def _balanced(self, K, wl, ctx, oracle, seg, order, mem_caps, ranks, notes):
+        """K GPUs with the priority order cut into parts of equal weight (half load, half adapter
+        count) instead of full GPUs and a light last one: lower latency, sometimes one GPU fewer.
+        Kept only if every part passes the same tests; None otherwise."""
+        N = seg.ranks.size
+        total = seg.q1[N]
+        w = (seg.rates / total if total > 0 else 0.0) + 1.0 / N
+        cum = np.cumsum(w)
+        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, K) / K) + 1
+        bounds = [0, *np.clip(cuts, 1, N - 1).tolist(), N]
+        parts = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            n = b - a
+            if n < 1 or n > self.max_adapters:
+                return None
+            mem_cap = mem_caps[int(ranks[a])]
+            cap = min(mem_cap, SURROGATE_MAX_ADAPTERS)
+            r = self._best(oracle, seg, a, n, cap)
+            if self.verify_s > 0:
+                if not r[0]:
+                    r = (True, min(n, mem_cap), None)
+                if not self._twin_ok(wl, ctx, order[a:a + n], r[1]):
+                    return None
+            elif not r[0] or n > SURROGATE_MAX_ADAPTERS:
+                return None
+            parts.append((a, n, r[1], r[2]))
+        notes.append(f"balanced: the order re-cut into {K} parts of equal load and adapter count")
+        return parts
 
     @staticmethod
     def _largest(test, nmax: int):
