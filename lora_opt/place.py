@@ -28,16 +28,18 @@ def placement_table(p: Placement) -> str:
     """GPU, adapters, ranks, A_max, max rank, incoming and predicted throughput, margin."""
     m = p.meta
     lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
-             f"{'pred tok/s':>10} {'margin':>7}"]
+             f"{'pred tok/s':>10} {'margin':>7} {'twin':>10}"]
     failing = set(m.get("gpus_failing_startup", []))
     for i, g in enumerate(p.gpus):
         ads = p.adapters_on(i)
         thr = (m.get("predicted_throughput") or [None] * len(p.gpus))[i]
         mar = (m.get("starvation_margin") or [None] * len(p.gpus))[i]
         rate = (m.get("incoming_rate_req_s") or [0.0] * len(p.gpus))[i]
+        ver = (m.get("twin_verified_at_load") or [None] * len(p.gpus))[i]
+        twin = f"ok at {ver:g}x" if ver else "-"
         lines.append(f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8} {rate:>7.2f} "
                      f"{(f'{thr:10.0f}' if thr is not None else f'{chr(45):>10}')} "
-                     f"{(f'{mar:+7.0%}' if mar is not None else f'{chr(45):>7}')}"
+                     f"{(f'{mar:+7.0%}' if mar is not None else f'{chr(45):>7}')} {twin:>10}"
                      + ("   would not start (OOM)" if i in failing else ""))
     return "\n".join(lines)
 
@@ -112,8 +114,9 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
         out.write(f"note: {note}\n")
     out.write(message + "\n")
     if p.meta.get("starvation_margin") and any(x is not None for x in p.meta["starvation_margin"]):
-        out.write("margin = capacity headroom the surrogate predicts over the expected load "
-                  "(negative: overloaded, yet within rho)\n")
+        out.write("margin = capacity headroom over the expected load the surrogate predicts (negative: "
+                  "overloaded, yet within rho); twin = the GPU passed the twin at that x its load (not starving, "
+                  "p99 TTFT within bound), which overrules the surrogate\n")
     for w in written:
         out.write(f"  -> {w}\n")
     return code

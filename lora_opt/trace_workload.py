@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lora_opt.placement import Adapter
-from lora_opt.workload import EvaluationConfig, Workload
+from lora_opt.workload import EvaluationConfig, PlacementEngine, Workload
 from twin.errors import ScenarioError
 from twin.profile import load_profile
 from twin.scenario import ArrivalConfig, LengthConfig, scenario_from_dict
@@ -56,7 +56,8 @@ def scaled_arrivals(t: np.ndarray, span: float, factor: float, scaling: str, rng
     ``compress``: time divided by ``factor``: bursts kept exactly, windows shortened.
     """
     if scaling == "compress":
-        return t / factor, np.arange(t.size), span / factor
+        # the window ends just after the last request so that every arrival is < its end
+        return t / factor, np.arange(t.size), float(np.nextafter(span / factor, np.inf))
     if scaling != "superpose":
         raise ScenarioError(f"scaling: {scaling!r} is not allowed; allowed values: {', '.join(SCALINGS)}")
     copies = int(np.ceil(factor - 1e-12))
@@ -74,7 +75,7 @@ def scaled_arrivals(t: np.ndarray, span: float, factor: float, scaling: str, rng
 
 def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate: float, seed: int = 0,
                 estimate_fraction: float = 0.5, lengths: str = "sharegpt", rho: float = 0.9,
-                scaling: str = "compress") -> TraceSplit:
+                scaling: str = "compress", max_model_len: int | None = None) -> TraceSplit:
     """Spread ``trace``'s requests uniformly over ``n_adapters`` adapters (ranks drawn uniformly from
     ``ranks``), scale it to average ``target_rate`` req/s (``scaled_arrivals``), estimate rates on
     the first ``estimate_fraction`` of it and return the rest for replay."""
@@ -97,7 +98,7 @@ def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate
     sc = scenario_from_dict({"profile": profile, "adapters": [{"count": 1, "rank": 8, "rate": 1.0}],
                              "lengths": {"source": lengths if lengths != "trace" else "sharegpt"}, "seed": seed},
                             "trace split")
-    mml = load_profile(profile).model.max_model_len
+    mml = max_model_len or load_profile(profile).model.max_model_len
     if lengths == "trace":
         from twin.workload import _fit_context
         i_len, o_len = _fit_context(tr["in_len"].to_numpy()[rows], tr["out_len"].to_numpy()[rows], mml)
@@ -125,5 +126,6 @@ def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate
             "adapters_without_requests": int((counts == 0).sum()), "ranks": sorted({int(r) for r in ranks}),
             "seed": seed}
     wl = Workload(profile=profile, adapters=adapters, rho=rho, evaluation=ev,
+                  engine=PlacementEngine(max_model_len=max_model_len),
                   name=f"{trace}-{n_adapters}x{'-'.join(map(str, info['ranks']))}-{target_rate:g}rps", meta=info)
     return TraceSplit(wl, replay, history, t_split, T - t_split, info)

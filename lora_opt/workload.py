@@ -13,17 +13,16 @@ Errors name the field and the allowed values (``ScenarioError``), like scenario 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from lora_opt.placement import Adapter
 from twin.errors import ScenarioError
 from twin.profile import VLLM_LORA_RANKS
-from twin.scenario import ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, scenario_from_dict
+from twin.scenario import (ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, read_config_file,
+                           scenario_from_dict)
 
 
 @dataclass(frozen=True)
@@ -183,14 +182,7 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
 
 def load_workload(path: str | Path) -> Workload:
     p = Path(path)
-    if not p.exists():
-        raise ScenarioError(f"workload file not found: {p}")
-    text = p.read_text()
-    try:
-        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
-    wl = workload_from_dict(data, where=p.name)
+    wl = workload_from_dict(read_config_file(p, "workload"), where=p.name)
     if not wl.name:
         import dataclasses
         wl = dataclasses.replace(wl, name=p.stem)

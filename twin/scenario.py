@@ -346,17 +346,21 @@ def validate(sc: Scenario, where: str = "scenario") -> None:
         raise ScenarioError(f"{where}.lengths.source: trace needs arrivals.process: trace")
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario YAML/JSON file."""
+def read_config_file(path: str | Path, what: str = "scenario"):
+    """The parsed content of a YAML (or .json) file; ScenarioError if missing or malformed."""
     p = Path(path)
     if not p.exists():
-        raise ScenarioError(f"scenario file not found: {p}")
+        raise ScenarioError(f"{what} file not found: {p}")
     text = p.read_text()
     try:
-        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+        return json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
-    return scenario_from_dict(data, where=str(p.name))
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario YAML/JSON file."""
+    return scenario_from_dict(read_config_file(path, "scenario"), where=str(Path(path).name))
 
 
 def replace(sc: Scenario, **changes) -> Scenario:

@@ -34,8 +34,10 @@ class GPUAssignment:
     predicted_throughput: float | None = None
     """The oracle's throughput for this GPU (tok/s), when the policy asked one."""
     margin: float | None = None
-    """Starvation margin: the extra load (fraction) this GPU takes before the oracle predicts
-    starvation; None when the policy has no oracle."""
+    """Starvation margin: the capacity headroom over the expected load the oracle predicts
+    (fraction); None when the policy has no oracle."""
+    verified_load: float | None = None
+    """The load factor at which the twin verified this GPU (greedy-plus), None if not verified."""
 
 
 @dataclass
@@ -148,6 +150,7 @@ class PlacementPolicy:
             "unplaceable": [wl.adapters[i].id for i in asg.unplaceable],
             "predicted_throughput": [g.predicted_throughput for g in used],
             "starvation_margin": [g.margin for g in used],
+            "twin_verified_at_load": [g.verified_load for g in used],
             "incoming_rate_req_s": [sum(wl.adapters[i].rate * w for i, w in g.adapters) for g in used],
             "policy_wall_ms": wall_ms, "notes": asg.notes, "workload_meta": wl.meta,
         }

@@ -426,9 +426,10 @@ class GreedyPlus(_GreedyBase):
                 if parts:
                     packed = parts
                     break
+        verified = 1.0 + self.margin if self.verify_s > 0 else None
         for s, n, amax, thr in packed:
             margin = starvation_margin(oracle, seg, s, n, amax)
-            out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin))
+            out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin, verified))
         if self.verify_s > 0:
             what = (f"the observed {ctx.history_s:g} s of traffic" if ctx.history is not None
                     else f"{self.verify_s:g} s of Poisson traffic")
