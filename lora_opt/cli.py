@@ -85,6 +85,9 @@ def cmd_bench(args) -> int:
     if args.what == "place":
         from lora_opt.bench import bench_place
         return bench_place(out=args.out, repeats=args.repeats)
+    if args.what == "search":
+        from lora_opt.bench import bench_search
+        return bench_search(out=args.out)
     raise SystemExit(f"lora-opt bench: unknown benchmark {args.what!r}")
 
 
@@ -202,6 +205,54 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def _criterion(args, rho: float):
+    from lora_opt.evaluate import Criterion
+    if args.ttft_slo_ms is None and args.itl_slo_ms is None:
+        return Criterion(rho=args.rho if args.rho is not None else rho)
+    return Criterion(rho=args.rho, ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms, attainment=args.attainment)
+
+
+def cmd_search(args) -> int:
+    from lora_opt.policies import PlacementContext
+    from lora_opt.search import SearchSetup, Traffic, front_table, replay_front, run_search
+    from lora_opt.workload import load_workload
+
+    wl = load_workload(args.workload)
+    if args.trials < 1:
+        from twin.errors import ScenarioError
+        raise ScenarioError(f"--trials: must be >= 1, got {args.trials}")
+    out = Path(args.out or f"outputs/search-{wl.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or f"sqlite:///{out / 'study.db'}"
+    ctx = PlacementContext.for_workload(wl, args.surrogate)
+    setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective)
+    T = wl.evaluation.duration_s
+    res = run_search(setup, ctx, Traffic(None, T, seed=wl.evaluation.seed + 1), trials=args.trials,
+                     storage=storage, study_name=args.study, seed=args.seed, workers=args.workers,
+                     ray_address=args.ray_address, timeout_s=args.timeout_s, seeds=not args.no_seeds)
+    rows = replay_front(res.front, setup, Traffic(None, T, seed=wl.evaluation.seed), workers=args.workers,
+                        ray_address=args.ray_address)
+    for r in rows:
+        r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
+    (out / "front.json").write_text(json.dumps({"study": res.study_name, "storage": res.storage,
+                                                "criterion": setup.criterion.label, "objective": args.objective,
+                                                "trials": res.trials, "complete": res.complete,
+                                                "failed": res.failed, "wall_s": res.wall_s, "front": rows},
+                                               indent=1, default=str))
+    print(f"study {res.study_name} in {res.storage}: {res.trials} trials ({res.complete} complete, {res.failed} "
+          f"failed{f', {res.resumed_stale} in flight at the last kill marked failed' if res.resumed_stale else ''}); "
+          f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")
+    print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
+    print(front_table(rows, args.objective) if rows else "  no feasible trial yet")
+    print(f"  -> {out}/front.json, placement-*.json;  optuna-dashboard {res.storage}")
+    return 0
+
+
+def cmd_pareto(args) -> int:
+    from lora_opt.pareto import run_pareto_cli
+    return run_pareto_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-opt",
@@ -220,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks (speed and memory), reported as numbers, not tests")
-    b.add_argument("what", choices=["twin", "dataset", "place"], help="what to benchmark")
+    b.add_argument("what", choices=["twin", "dataset", "place", "search"], help="what to benchmark")
     b.add_argument("--grid", default="papers", help="dataset: grid to sample (default: papers)")
     b.add_argument("--sample", type=int, default=64, help="dataset: grid points to label per worker count")
     b.add_argument("--out", help="also write the results as JSON here")
@@ -293,6 +344,48 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
     ev.add_argument("--out", help="also write the evaluation JSON here")
     ev.set_defaults(func=cmd_evaluate)
+
+    def add_criterion(q):
+        q.add_argument("--rho", type=float, help="feasibility: starvation threshold (default: the workload's rho)")
+        q.add_argument("--ttft-slo-ms", type=float, help="feasibility by SLO instead: TTFT target (ms)")
+        q.add_argument("--itl-slo-ms", type=float, help="feasibility by SLO instead: ITL target (ms)")
+        q.add_argument("--attainment", type=float, default=0.9, help="SLO attainment required (default 0.9)")
+
+    se = sub.add_parser("search", help="Optuna multi-objective search (GPUs vs latency) over placements, trials on Ray")
+    se.add_argument("--workload", required=True, help="workload YAML/JSON")
+    se.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
+    se.add_argument("--trials", type=int, default=64, help="trials in the study, counting resumed ones (default 64)")
+    se.add_argument("--storage", help="Optuna storage URL (default: sqlite:///<out>/study.db; resumes)")
+    se.add_argument("--study", help="study name (default: <workload>-<gpus>gpus-<objective>)")
+    se.add_argument("--objective", default="p99_ttft", choices=["p99_ttft", "mean_ttft", "p99_itl", "mean_itl"],
+                    help="latency objective (default p99_ttft)")
+    add_criterion(se)
+    se.add_argument("--seed", type=int, default=0, help="sampler seed")
+    se.add_argument("--no-seeds", action="store_true", help="do not start from the greedy placements")
+    se.add_argument("--timeout-s", type=float, default=600.0, help="a trial running longer is recorded as failed")
+    se.add_argument("--surrogate", help="surrogate directory for the greedy seeds (default: bundled)")
+    se.add_argument("--workers", type=int, help="parallel trials (1 = serial, no Ray; default: all cores)")
+    se.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+    se.add_argument("--out", help="output directory (default: outputs/search-<workload>)")
+    se.set_defaults(func=cmd_search)
+
+    pa = sub.add_parser("pareto", help="GPU count vs latency fronts: rho and SLO sweeps, greedy policies and search")
+    pa.add_argument("--workload", required=True, help="workload YAML/JSON")
+    pa.add_argument("--gpus", type=int, default=4, help="GPUs in the pool (default 4)")
+    pa.add_argument("--rhos", type=float, nargs="+", default=[0.70, 0.75, 0.80, 0.85, 0.90, 0.95])
+    pa.add_argument("--ttft-slos-ms", type=float, nargs="*", default=[1000.0, 5000.0],
+                    help="p99-style TTFT targets, each a criterion with --attainment (default 1000 5000)")
+    pa.add_argument("--itl-slos-ms", type=float, nargs="*", default=[100.0], help="ITL targets (default 100)")
+    pa.add_argument("--attainment", type=float, default=0.9)
+    pa.add_argument("--objective", default="p99_ttft", choices=["p99_ttft", "mean_ttft", "p99_itl", "mean_itl"])
+    pa.add_argument("--trials", type=int, default=24, help="search trials per criterion (0 = greedy policies only)")
+    pa.add_argument("--ref-latency-ms", type=float, default=60_000.0,
+                    help="hypervolume reference latency (default 60 s)")
+    pa.add_argument("--workers", type=int, help="parallel workers (1 = serial, no Ray; default: all cores)")
+    pa.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+    pa.add_argument("--out", help="output directory (default: outputs/pareto-<workload>)")
+    pa.add_argument("--tracking-uri", help="MLflow tracking URI (default: local mlruns/)")
+    pa.set_defaults(func=cmd_pareto)
 
     f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
     f.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,67 @@ def _combined(results: list[dict], key: str) -> dict:
 GRACE_S = 60.0
 
 
+@dataclass(frozen=True)
+class Criterion:
+    """When a GPU counts as serving its traffic (every part that is set must hold)."""
+
+    rho: float | None = 0.9
+    """Fraction of due tokens served (the papers' starvation threshold); None = not checked."""
+    ttft_ms: float | None = None
+    """SLO: TTFT target; at least ``attainment`` of the due requests must meet it."""
+    itl_ms: float | None = None
+    """SLO: inter-token latency target; at least ``attainment`` of the tokens must meet it."""
+    attainment: float = 0.9
+    """Fraction that must meet the SLO targets, in (0, 1]."""
+
+    def __post_init__(self):
+        if self.rho is None and self.ttft_ms is None and self.itl_ms is None:
+            raise ScenarioError("criterion: give rho, a TTFT target or an ITL target")
+        if self.rho is not None and not 0 < self.rho <= 1:
+            raise ScenarioError(f"criterion.rho: must be in (0, 1], got {self.rho}")
+        if not 0 < self.attainment <= 1:
+            raise ScenarioError(f"criterion.attainment: must be in (0, 1], got {self.attainment}")
+        for name in ("ttft_ms", "itl_ms"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ScenarioError(f"criterion.{name}: must be > 0, got {v}")
+
+    @property
+    def label(self) -> str:
+        parts = [f"rho {self.rho:g}"] if self.rho is not None else []
+        if self.ttft_ms is not None:
+            parts.append(f"TTFT <= {self.ttft_ms:g} ms")
+        if self.itl_ms is not None:
+            parts.append(f"ITL <= {self.itl_ms:g} ms")
+        if self.ttft_ms is not None or self.itl_ms is not None:
+            parts.append(f"for {self.attainment:.0%}")
+        return ", ".join(parts)
+
+    def check(self, r, T: float, grace_s: float = GRACE_S) -> dict:
+        """served_fraction, ttft_attainment, itl_attainment and ok for one GPU's result (a twin
+        ``Result`` or its dict with ``samples``)."""
+        if not isinstance(r, dict):
+            r = {**r.to_dict(), "samples": r.samples}
+        out = {"served_fraction": served_fraction(r, T, grace_s), "ttft_attainment": None, "itl_attainment": None}
+        s = r.get("samples") or {}
+        if self.ttft_ms is not None and "arrival_s" in s:
+            due = s["arrival_s"] < T - grace_s
+            met = np.zeros(due.shape, bool)
+            met[np.flatnonzero(s["done"])] = s["ttft_ms"] <= self.ttft_ms
+            out["ttft_attainment"] = float((met & due).sum() / max(1, due.sum()))
+        if self.itl_ms is not None and "itl_ms" in s:
+            c = s["itl_count"]
+            out["itl_attainment"] = float(c[s["itl_ms"] <= self.itl_ms].sum() / max(1, c.sum()))
+        ok = r.get("status", "ok") == "ok"
+        if self.rho is not None:
+            ok &= out["served_fraction"] >= self.rho
+        for key in ("ttft_attainment", "itl_attainment"):
+            if out[key] is not None:
+                ok &= out[key] >= self.attainment
+        out["ok"] = bool(ok)
+        return out
+
+
 def served_fraction(r, T: float, grace_s: float) -> float:
     """Fraction of the tokens of requests that arrived before T - grace completed by T (``r``: a
     twin ``Result`` or its dict with ``samples``)."""
@@ -129,7 +191,7 @@ def served_fraction(r, T: float, grace_s: float) -> float:
 def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None = None,
                        duration_s: float | None = None, workers: int | None = None,
                        ray_address: str | None = None, progress: bool = True,
-                       grace_s: float = GRACE_S) -> dict[str, Any]:
+                       grace_s: float = GRACE_S, criterion: Criterion | None = None) -> dict[str, Any]:
     """Replay ``requests`` (default: the workload's evaluation traffic) on every GPU of ``p``.
 
     Starvation verdict per GPU: fewer than rho of the tokens of requests that arrived before
@@ -137,7 +199,9 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
     arrived tokens in the window) also counts requests that arrived in the last seconds and are
     still running -- several per cent of a short window; a GPU that cannot keep up carries a
     backlog longer than the grace and is caught all the same.  ``grace_s=0`` is that definition;
-    both verdicts are in the result (``starving`` and ``starving_window``)."""
+    both verdicts are in the result (``starving`` and ``starving_window``).  ``criterion``
+    replaces the rho verdict (default: the workload's rho), e.g. by SLO attainment."""
+    criterion = criterion or Criterion(rho=wl.rho)
     from tqdm import tqdm
 
     from lora_opt.parallel import run_batches
@@ -171,13 +235,16 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
             "adapter_loads_cpu": r["adapter_loads_cpu"], "kv_cache_tokens": r["kv_cache_tokens"],
         })
     # requests of unrouted adapters are incoming load nobody serves
-    for g in per_gpu:
-        g["starving"] = g["status"] != "ok" or g["served_fraction"] < wl.rho
+    for g, r in zip(per_gpu, res):
+        c = criterion.check(r, T, grace_s)
+        g.update(ttft_attainment=c["ttft_attainment"], itl_attainment=c["itl_attainment"])
+        g["starving"] = g["status"] != "ok" or not c["ok"]
     incoming = sum(g["incoming_token_rate"] for g in per_gpu) + unrouted_tokens / T
     thr = sum(g["throughput_tok_s"] for g in per_gpu)
     active = [g for g in per_gpu if g["arrived"] > 0 or g["adapters"] > 0]
     return {
-        "policy": p.policy, "workload": wl.name, "rho": wl.rho, "duration_s": T, "grace_s": grace_s,
+        "policy": p.policy, "workload": wl.name, "rho": wl.rho, "criterion": criterion.label,
+        "duration_s": T, "grace_s": grace_s,
         "gpus_used": len(active), "gpus_starving": sum(g["starving"] and g["status"] == "ok" for g in per_gpu),
         "gpus_starving_window": sum(g["starving_window"] and g["status"] == "ok" for g in per_gpu),
         "gpus_failing_startup": sum(g["status"] == "oom" for g in per_gpu),
@@ -207,8 +274,8 @@ def evaluation_table(ev: dict) -> str:
                  f"{ev['gpus_starving']:>3} starv {'':>6} {ev['incoming_token_rate']:>9.0f} {ev['throughput_tok_s']:>9.0f} "
                  f"{f(ev['ttft_ms']['mean'], '9.1f')} {f(ev['ttft_ms']['p99'], '9.1f')} "
                  f"{f(ev['itl_ms']['mean'], '8.1f')} {f(ev['itl_ms']['p99'], '8.1f')}")
-    lines.append(f"GPUs used {ev['gpus_used']}, starving {ev['gpus_starving']} (served < rho {ev['rho']} of the "
-                 f"tokens due {ev['grace_s']:g} s before the end; by the whole-window definition "
+    lines.append(f"GPUs used {ev['gpus_used']}, starving {ev['gpus_starving']} (failing {ev['criterion']} on the "
+                 f"requests due {ev['grace_s']:g} s before the end; served < rho over the whole window: "
                  f"{ev['gpus_starving_window']}), failing to start {ev['gpus_failing_startup']}; "
                  f"{ev['completed']:,} of {ev['requests']:,} requests completed in {ev['duration_s']:,.0f} s")
     if ev.get("unrouted_requests"):

@@ -105,3 +105,84 @@ def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_
         run_batches(_simulate_batch, [b for _, b in starts_batches], done, workers=workers,
                     ray_address=ray_address)
     return results  # type: ignore[return-value]
+
+
+def idle_task(seconds: float = 0.0) -> float:
+    """A task that only waits: starts Ray workers ahead of timed work, and exercises timeouts."""
+    import time
+    time.sleep(seconds)
+    return seconds
+
+
+class TaskPool:
+    """Submit tasks one by one and take them back as they finish -- Ray tasks on ``workers`` CPUs
+    (local instance or ``ray_address``), or inline when serial.  For drivers that decide the next
+    task from the last result (Optuna's ask/tell).  A task that raises, or runs past ``timeout_s``
+    (it is cancelled), comes back as the exception instead of a result."""
+
+    def __init__(self, fn: Callable, *, workers: int | None = None, ray_address: str | None = None):
+        import collections
+
+        self.serial = not use_ray(workers, ray_address)
+        self.workers = 1 if self.serial else (workers or os.cpu_count() or 1)
+        self.fn = fn
+        self._done: collections.deque = collections.deque()
+        self._pending: dict[Any, tuple[Any, float]] = {}
+        if not self.serial:
+            import ray
+            init_ray(ray_address, workers)
+            if ray_address or os.environ.get("RAY_ADDRESS"):
+                self.workers = workers or int(ray.cluster_resources().get("CPU", 1))
+            self._remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+
+    def put(self, obj):
+        """Share a large argument once (an object-store reference under Ray)."""
+        if self.serial:
+            return obj
+        import ray
+        return ray.put(obj)
+
+    #: tasks queued per worker: a second one waiting in Ray hides the driver's round trip
+    QUEUE_PER_WORKER = 2
+
+    @property
+    def free(self) -> int:
+        slots = self.workers if self.serial else self.QUEUE_PER_WORKER * self.workers
+        return slots - len(self._pending) - len(self._done)
+
+    @property
+    def busy(self) -> int:
+        return len(self._pending) + len(self._done)
+
+    def submit(self, key, *args) -> None:
+        if self.serial:
+            try:
+                self._done.append((key, self.fn(*args)))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller as the result
+                self._done.append((key, exc))
+            return
+        import time
+        self._pending[self._remote.remote(*args)] = (key, time.monotonic())
+
+    def next_done(self, timeout_s: float | None = None):
+        """(key, result or exception) of a finished task; blocks until one finishes."""
+        if self._done:
+            return self._done.popleft()
+        import time
+
+        import ray
+        while True:
+            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)
+            if ready:
+                key, _ = self._pending.pop(ready[0])
+                try:
+                    return key, ray.get(ready[0])
+                except Exception as exc:  # noqa: BLE001 - a failed task is a result
+                    return key, exc
+            if timeout_s is not None:
+                now = time.monotonic()
+                for ref, (key, t0) in list(self._pending.items()):
+                    if now - t0 > timeout_s:
+                        ray.cancel(ref, force=True)
+                        del self._pending[ref]
+                        return key, TimeoutError(f"task ran longer than {timeout_s:g} s")

@@ -248,7 +248,8 @@ class GreedyPlus(_GreedyBase):
     oracle_kind = "full"
 
     def __init__(self, margin: float = 0.10, oracle: str | None = None, verify_s: float = 900.0,
-                 ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True):
+                 ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True,
+                 criterion=None):
         from twin.errors import ScenarioError
         if not isinstance(max_adapters, int) or max_adapters < 1:
             raise ScenarioError(f"max_adapters: must be an integer >= 1, got {max_adapters!r}")
@@ -256,6 +257,9 @@ class GreedyPlus(_GreedyBase):
         self.max_adapters = max_adapters
         #: re-cut the GPUs the packing needs into parts of equal load (see _balanced)
         self.balance = balance
+        #: what the twin verification demands of a GPU (``lora_opt.evaluate.Criterion``; default:
+        #: the workload's rho); the p99 TTFT bound applies on top of it
+        self.criterion = criterion
         if not 0 <= margin <= 1:
             raise ScenarioError(f"margin: must be in [0, 1], got {margin}")
         if verify_s < 0:
@@ -308,8 +312,8 @@ class GreedyPlus(_GreedyBase):
         self.twin_calls += 1
         if res.status != "ok":
             return False
-        from lora_opt.evaluate import GRACE_S, served_fraction
-        if served_fraction(res, res.duration_s, GRACE_S) < wl.rho:
+        from lora_opt.evaluate import GRACE_S, Criterion
+        if not (self.criterion or Criterion(rho=wl.rho)).check(res, res.duration_s, GRACE_S)["ok"]:
             return False
         p99 = res.ttft_ms["p99"]
         return self.ttft_p99_s is None or p99 is None or p99 <= self.ttft_p99_s * 1000.0

@@ -1,0 +1,188 @@
+"""GPU count vs latency fronts: a sweep of feasibility criteria (rho values and SLO targets) for
+greedy-plus, the paper's greedy and the search; hypervolume per method; plots, a table, MLflow.
+
+Every point is a placement replayed on held-out traffic; it counts for a method's front if it is
+feasible (no starving GPU, none failing to start, every adapter placed) under the criterion it was
+made for.  Hypervolume is computed on (GPUs, log10 latency) against a reference point (pool + 1
+GPUs, ``ref_latency_ms``): latencies span milliseconds to minutes, and a linear axis would let the
+worst point decide everything.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from lora_opt.evaluate import Criterion, evaluate_placement
+from lora_opt.search import SearchSetup, Traffic, hypervolume, objective_value, replay_front, run_search
+
+METHODS = ("greedy-plus", "greedy", "search")
+
+
+def criteria_sweep(rhos, ttft_slos_ms, itl_slos_ms, attainment: float) -> list[Criterion]:
+    out = [Criterion(rho=r) for r in rhos]
+    out += [Criterion(rho=None, ttft_ms=t, attainment=attainment) for t in ttft_slos_ms or []]
+    out += [Criterion(rho=None, itl_ms=t, attainment=attainment) for t in itl_slos_ms or []]
+    return out
+
+
+def _replay(p, wl, traffic: Traffic, criterion, objective, workers, ray_address):
+    import dataclasses
+    if traffic.requests is None:
+        wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
+    ev = evaluate_placement(p, wl, requests=traffic.requests, duration_s=traffic.duration_s, workers=workers,
+                            ray_address=ray_address, progress=False, criterion=criterion)
+    ok = ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
+    return objective_value(ev, objective), ok
+
+
+def pareto_points(points: list[dict]) -> list[dict]:
+    """Feasible points no other feasible point dominates, by GPUs then latency."""
+    front = []
+    for p in sorted((p for p in points if p["feasible"]), key=lambda p: (p["gpus"], p["latency_ms"])):
+        if not any(f["gpus"] <= p["gpus"] and f["latency_ms"] <= p["latency_ms"] for f in front):
+            front.append(p)
+    return front
+
+
+def run_pareto(wl, pool: int, ctx, *, criteria: list[Criterion], search_traffic: Traffic, eval_traffic: Traffic,
+               objective: str = "p99_ttft", trials: int = 24, storage_dir: Path, history_ctx=None,
+               workers: int | None = None, ray_address: str | None = None, ref_latency_ms: float = 60_000.0,
+               progress: bool = True) -> dict:
+    """Points, fronts, hypervolumes and costs of every method over the criteria sweep.
+    ``history_ctx``: a PlacementContext with observed requests for greedy-plus (else ``ctx``)."""
+    from tqdm import tqdm
+
+    from lora_opt.policies import get_policy
+
+    points: list[dict] = []
+    cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
+    greedy_p = None
+    for c in tqdm(criteria, desc="criteria", unit="criterion", disable=not progress):
+        t = time.perf_counter()
+        p = get_policy("greedy-plus", ttft_p99_s=None, criterion=c).place(wl, pool, history_ctx or ctx)
+        if p.meta["feasible"]:
+            lat, ok = _replay(p, wl, eval_traffic, c, objective, workers, ray_address)
+            points.append({"method": "greedy-plus", "criterion": c.label, "gpus": len(p.gpus), "latency_ms": lat,
+                           "feasible": ok})
+        else:
+            points.append({"method": "greedy-plus", "criterion": c.label, "gpus": p.meta["gpus_needed"],
+                           "latency_ms": math.nan, "feasible": False})
+        cost["greedy-plus"]["wall_s"] += time.perf_counter() - t
+        t = time.perf_counter()
+        if greedy_p is None:
+            greedy_p = get_policy("greedy").place(wl, pool, ctx)
+        lat, ok = _replay(greedy_p, wl, eval_traffic, c, objective, workers, ray_address)
+        points.append({"method": "greedy", "criterion": c.label, "gpus": len(greedy_p.gpus), "latency_ms": lat,
+                       "feasible": ok and bool(greedy_p.meta["feasible"])})
+        cost["greedy"]["wall_s"] += time.perf_counter() - t
+        if trials > 0:
+            t = time.perf_counter()
+            setup = SearchSetup.build(wl, pool, ctx, c, objective)
+            name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
+            res = run_search(setup, history_ctx or ctx, search_traffic, trials=trials, storage=f"sqlite:///{storage_dir / 'studies.db'}",
+                             study_name=name, workers=workers, ray_address=ray_address, progress=False)
+            for r in replay_front(res.front, setup, eval_traffic, workers=workers, ray_address=ray_address):
+                points.append({"method": "search", "criterion": c.label, "gpus": r["gpus"],
+                               "latency_ms": r["heldout"], "feasible": r["heldout_feasible"],
+                               "search_latency_ms": r[objective], "trial": r["trial"], "seed": r.get("seed")})
+            cost["search"]["wall_s"] += time.perf_counter() - t
+            cost["search"]["trials"] += res.trials
+    ref = (pool + 1, math.log10(ref_latency_ms))
+    fronts, hv = {}, {}
+    for m in METHODS:
+        front = pareto_points([p for p in points if p["method"] == m and not math.isnan(p["latency_ms"])])
+        fronts[m] = front
+        hv[m] = hypervolume([(f["gpus"], math.log10(max(f["latency_ms"], 1e-3))) for f in front], ref)
+    return {"points": points, "fronts": fronts, "hypervolume": hv, "cost": cost,
+            "reference": {"gpus": ref[0], "latency_ms": ref_latency_ms}, "objective": objective,
+            "criteria": [c.label for c in criteria], "pool": pool, "trials_per_criterion": trials}
+
+
+def plot_fronts(result: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"greedy-plus": "C0", "greedy": "C1", "search": "C2"}
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in METHODS:
+        pts = [p for p in result["points"] if p["method"] == m and not math.isnan(p["latency_ms"])]
+        ax.scatter([p["gpus"] + {"greedy-plus": -0.08, "greedy": 0.0, "search": 0.08}[m] for p in pts],
+                   [p["latency_ms"] for p in pts], s=14, alpha=0.35, color=colors[m],
+                   marker="o", edgecolors="none")
+        f = result["fronts"][m]
+        if f:
+            xs = [p["gpus"] for p in f]
+            ys = [p["latency_ms"] for p in f]
+            ax.step(xs + [result["pool"] + 0.5], ys + [ys[-1]], where="post", color=colors[m], lw=2,
+                    label=f"{m} (HV {result['hypervolume'][m]:.2f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel(f"{result['objective']} (ms, held-out replay)")
+    ax.set_xticks(range(1, result["pool"] + 1))
+    ax.legend(fontsize=8)
+    ax.set_title("Pareto fronts (lines) and every point (dots)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report_md(result: dict, title: str, command: str) -> str:
+    lines = [f"# {title}", "", f"Reproduce: `{command}`", "",
+             f"Objective {result['objective']} (held-out replay); pool {result['pool']} GPUs; criteria: "
+             + "; ".join(result["criteria"]) + f"; search: {result['trials_per_criterion']} trials per criterion.",
+             f"Hypervolume on (GPUs, log10 ms) against ({result['reference']['gpus']} GPUs, "
+             f"{result['reference']['latency_ms']:,.0f} ms).", "",
+             "| method | hypervolume | front (GPUs: latency ms) | wall s | trials |", "|---|---|---|---|---|"]
+    for m in METHODS:
+        f = result["fronts"][m]
+        pts = ", ".join(f"{p['gpus']}: {p['latency_ms']:,.0f} ({p['criterion']})" for p in f) or "-"
+        c = result["cost"][m]
+        lines.append(f"| {m} | {result['hypervolume'][m]:.3f} | {pts} | {c['wall_s']:.0f} | {c['trials'] or '-'} |")
+    lines += ["", "## Every point", "", "| method | criterion | GPUs | latency ms | feasible |", "|---|---|---|---|---|"]
+    for p in result["points"]:
+        lat = "-" if math.isnan(p["latency_ms"]) else f"{p['latency_ms']:,.0f}"
+        lines.append(f"| {p['method']} | {p['criterion']} | {p['gpus']} | {lat} | {'yes' if p['feasible'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict, out: Path, title: str, command: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pareto.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "report.md").write_text(report_md(result, title, command))
+    plot_fronts(result, out / "pareto_front.png")
+    return [out / "pareto.json", out / "report.md", out / "pareto_front.png"]
+
+
+def run_pareto_cli(args) -> int:
+    from lora_opt.policies import PlacementContext
+    from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
+    from lora_opt.workload import load_workload
+
+    wl = load_workload(args.workload)
+    out = Path(args.out or f"outputs/pareto-{wl.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
+    ctx = PlacementContext.for_workload(wl)
+    T = wl.evaluation.duration_s
+    import shlex
+    import sys
+    command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
+    with tracked_run("pareto", run_name=wl.name, tracking_uri=args.tracking_uri):
+        import mlflow
+        mlflow.log_params({"workload": wl.name, "pool": args.gpus, "objective": args.objective,
+                           "trials_per_criterion": args.trials, "criteria": "; ".join(c.label for c in criteria)})
+        res = run_pareto(wl, args.gpus, ctx, criteria=criteria, search_traffic=Traffic(None, T, wl.evaluation.seed + 1),
+                         eval_traffic=Traffic(None, T, wl.evaluation.seed), objective=args.objective,
+                         trials=args.trials, storage_dir=out, workers=args.workers, ray_address=args.ray_address,
+                         ref_latency_ms=args.ref_latency_ms)
+        write_outputs(res, out, f"Pareto fronts: {wl.name}", command)
+        log_flat_metrics("hypervolume", res["hypervolume"])
+        log_flat_metrics("cost", res["cost"])
+        log_dir(out)
+    print(report_md(res, f"Pareto fronts: {wl.name}", command).split("## Every point")[0])
+    print(f"-> {out}/report.md, pareto.json, pareto_front.png")
+    return 0

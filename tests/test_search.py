@@ -1,0 +1,180 @@
+"""Search and Pareto fronts: parametrisation, a tiny study on local Ray, resume after a kill,
+failing trials, constraints on the front."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from lora_opt.evaluate import Criterion
+from lora_opt.pareto import criteria_sweep, pareto_points
+from lora_opt.policies import PlacementContext, get_policy
+from lora_opt.search import (SearchSetup, Traffic, decode, encode, hypervolume, part_sizes, pareto_front,
+                             run_search)
+from lora_opt.workload import workload_from_dict
+
+P = "llama-3.1-8b-h100-64gb"
+TINY = {"profile": P, "name": "tiny", "adapters": [{"count": 14, "rank": 8, "rate": 0.4, "prefix": "s-"},
+                                                   {"count": 10, "rank": 16, "rate": 0.3, "prefix": "m-"}],
+        "evaluation": {"duration_s": 120}}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    wl = workload_from_dict(TINY)
+    ctx = PlacementContext.for_workload(wl)
+    return wl, ctx, SearchSetup.build(wl, 3, ctx)
+
+
+def test_part_sizes_round_to_the_total_with_no_empty_part():
+    assert part_sizes([1, 1, 1], 10) == [4, 3, 3]
+    assert part_sizes([0.001, 1.0], 5) == [1, 4]
+    for _ in range(50):
+        w = np.random.default_rng(_).random(4) + 1e-3
+        s = part_sizes(w, 37)
+        assert sum(s) == 37 and min(s) >= 1
+
+
+def test_greedy_placements_are_exact_points_of_the_space(tiny):
+    wl, ctx, setup = tiny
+    for name in ("greedy", "greedy-plus"):
+        p = get_policy(name, **({"verify_s": 120.0} if name == "greedy-plus" else {})).place(wl, 3, ctx)
+        params = encode(p, setup)
+        assert params is not None
+        q = decode(params, setup)
+        assert q.routes == p.routes and [g.max_loras for g in q.gpus] == [g.max_loras for g in p.gpus]
+
+
+def test_hypervolume_and_front():
+    assert hypervolume([(1, 2.0)], (3, 4.0)) == pytest.approx(2 * 2.0)
+    assert hypervolume([(1, 3.0), (2, 1.0)], (3, 4.0)) == pytest.approx(1 * 1.0 + 1 * 3.0)
+    assert hypervolume([(1, 3.0), (1, 5.0)], (3, 4.0)) == pytest.approx(2.0)
+    pts = [{"gpus": 1, "latency_ms": 9.0, "feasible": True}, {"gpus": 2, "latency_ms": 3.0, "feasible": True},
+           {"gpus": 2, "latency_ms": 4.0, "feasible": True}, {"gpus": 3, "latency_ms": 1.0, "feasible": False}]
+    assert [(p["gpus"], p["latency_ms"]) for p in pareto_points(pts)] == [(1, 9.0), (2, 3.0)]
+    assert [c.label for c in criteria_sweep([0.9], [1000.0], [], 0.9)] == ["rho 0.9", "TTFT <= 1000 ms, for 90%"]
+
+
+def test_tiny_study_on_local_ray_front_respects_constraints(tiny, tmp_path):
+    wl, ctx, setup = tiny
+    res = run_search(setup, ctx, Traffic(None, 120, seed=1), trials=8, storage=f"sqlite:///{tmp_path}/s.db",
+                     study_name="t", workers=2, progress=False)
+    assert res.trials == 8 and res.complete + res.failed == 8
+    assert res.front
+    import optuna
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/s.db")
+    for t in pareto_front(study.trials):
+        assert all(c <= 0 for c in t.user_attrs["constraints"])
+        assert t.values[0] <= 3
+    assert any(t.user_attrs.get("seed") for t in study.trials)      # greedy seeds were enqueued
+
+
+def test_a_trial_that_raises_is_recorded_as_failed(tiny, tmp_path, monkeypatch):
+    import lora_opt.search as search
+    wl, ctx, setup = tiny
+    real = search.run_trial
+
+    def flaky(params, setup_, traffic):
+        if params["gpus"] == 2:
+            raise RuntimeError("twin exploded")
+        return real(params, setup_, traffic)
+
+    monkeypatch.setattr(search, "run_trial", flaky)
+    res = run_search(setup, ctx, Traffic(None, 120, seed=1), trials=6, storage=f"sqlite:///{tmp_path}/f.db",
+                     study_name="f", workers=1, progress=False)
+    import optuna
+    study = optuna.load_study(study_name="f", storage=f"sqlite:///{tmp_path}/f.db")
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert res.trials == 6 and failed and all("twin exploded" in t.user_attrs["error"] for t in failed)
+
+
+def test_resume_after_kill(tmp_path):
+    """Kill a running study (SIGKILL) and rerun the same command: finished trials are kept, the
+    one in flight is recorded as failed, the study reaches its trial count."""
+    import optuna
+    import yaml
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    db = f"sqlite:///{tmp_path}/k.db"
+    cmd = [sys.executable, "-m", "lora_opt.cli", "search", "--workload", str(wfile), "--gpus", "3", "--trials", "10",
+           "--workers", "1", "--storage", db, "--study", "k", "--out", str(tmp_path / "o"), "--no-seeds"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    done = 0
+    while time.time() < deadline:
+        time.sleep(1.0)
+        try:
+            study = optuna.load_study(study_name="k", storage=db)
+            done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+        except Exception:  # noqa: BLE001 - the study may not exist yet
+            continue
+        if done >= 3:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert done >= 3
+    kept = {t.number for t in optuna.load_study(study_name="k", storage=db).trials
+            if t.state == optuna.trial.TrialState.COMPLETE}
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    study = optuna.load_study(study_name="k", storage=db)
+    states = [t.state for t in study.trials]
+    assert kept <= {t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert sum(s == optuna.trial.TrialState.FAIL for s in states) <= 1       # at most the one in flight
+    assert sum(s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for s in states) == 10
+
+
+def test_search_cli(tmp_path, capsys):
+    import yaml
+
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    rc = main(["search", "--workload", str(wfile), "--gpus", "2", "--trials", "4", "--workers", "1",
+               "--out", str(tmp_path / "o"), "--ttft-slo-ms", "2000"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "Pareto front" in text and "TTFT <= 2000 ms" in text
+    assert (tmp_path / "o" / "front.json").exists() and (tmp_path / "o" / "study.db").exists()
+
+
+def test_criterion_validation():
+    from twin.errors import ScenarioError
+    with pytest.raises(ScenarioError, match="give rho"):
+        Criterion(rho=None)
+    with pytest.raises(ScenarioError, match="attainment"):
+        Criterion(ttft_ms=100.0, attainment=1.5)
+
+
+def test_pareto_cli_end_to_end(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "p"
+    rc = main(["pareto", "--workload", str(wfile), "--gpus", "2", "--rhos", "0.8", "--ttft-slos-ms", "2000",
+               "--itl-slos-ms", "--trials", "3", "--workers", "1", "--out", str(out)])
+    assert rc == 0 and "hypervolume" in capsys.readouterr().out
+    res = json.loads((out / "pareto.json").read_text())
+    assert set(res["hypervolume"]) == {"greedy-plus", "greedy", "search"}
+    assert (out / "pareto_front.png").exists() and (out / "report.md").exists()
+    for m, front in res["fronts"].items():
+        assert all(p["feasible"] for p in front)
+
+
+def test_task_pool_times_out_and_reports_exceptions():
+    from lora_opt.parallel import TaskPool
+    from lora_opt.parallel import idle_task
+    pool = TaskPool(idle_task, workers=2)        # importable on Ray workers (a test module is not)
+    pool.submit("slow", 30.0)
+    pool.submit("quick", 0.01)
+    got = dict(pool.next_done(timeout_s=2.0) for _ in range(2))
+    assert got["quick"] == 0.01 and isinstance(got["slow"], TimeoutError)
+    serial = TaskPool(idle_task, workers=1)
+    serial.submit("bad", "not a number")
+    key, res = serial.next_done()
+    assert key == "bad" and isinstance(res, TypeError)
