@@ -53,6 +53,13 @@ print(json.dumps({"wall_s": best, "steps": r.steps, "requests": r.arrived, "star
 """
 
 
+def _dump(out: str | None, obj) -> None:
+    """Write a benchmark's results as JSON when ``--out`` is given."""
+    if out:
+        with open(out, "w") as fh:
+            json.dump(obj, fh, indent=2)
+
+
 def _run(scenario: dict, repeats: int) -> dict:
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps({"scenario": scenario, "repeats": repeats})],
                          check=True, capture_output=True, text=True)
@@ -87,9 +94,7 @@ def bench_twin(out: str | None = None, repeats: int = 3) -> int:
         print(f"{r['scenario']:<66} {r['wall_s_per_sim_hour']:8.3f} {r['target_s']:7.2f} "
               f"{r['speedup_vs_published']:8.0f} {r['steps_per_s']:10,.0f} {r['requests_per_s']:9,.0f} "
               f"{r['peak_rss_mb']:7.0f} {r['sim_rss_mb']:7.0f}  {es}")
-    if out:
-        with open(out, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    _dump(out, rows)
     return 0
 
 
@@ -187,9 +192,7 @@ def bench_place(out: str | None = None, repeats: int = 3) -> int:
               f"{r['gpus']:>5} {tgt} {pap}")
     print("assign = the algorithm (order, batched oracle calls, packing); place = assign + per-GPU flags, "
           "placement, checker and start-up checks.")
-    if out:
-        with open(out, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    _dump(out, rows)
     return 0
 
 
@@ -245,7 +248,5 @@ def bench_search(out: str | None = None, trials: int = 48, seed: int = 0) -> int
     print(f"{trials} trials (1,280 adapters, azure-conv at 15 req/s, {sp.history_s:.0f} s of traffic each): "
           f"1 worker {t1:.1f} s, 2 workers {t2:.1f} s -> speed-up {t1 / t2:.2f}x, parallel efficiency {eff:.0%} "
           f"(target >= 80 %)")
-    if out:
-        with open(out, "w") as fh:
-            json.dump(row, fh, indent=2)
+    _dump(out, row)
     return 0
