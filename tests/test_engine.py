@@ -199,3 +199,23 @@ def test_client_cap_of_one_serves_one_request_at_a_time():
     sc = scenario_from_dict(small_scenario(client={"max_inflight": 1, "overflow": "wait"}))
     res = twin.simulate(sc, check_invariants=True)
     assert res.status == "ok" and 0 < res.completed < res.arrived and res.running_mean <= 1
+
+
+def test_certain_starvation_stops_before_drawing_requests(small):
+    """Twice the engine's maximum token rate over >= 10k expected Poisson requests: the result
+    is certain at t = 0 (no request drawn); a full run agrees."""
+    import twin
+    from twin.scenario import scenario_from_dict
+    sc = scenario_from_dict(small(adapters=[{"count": 8, "rank": 16, "rate": 40.0}], duration_s=600,
+                                  engine={"max_num_seqs": 256, "max_num_batched_tokens": 2048},
+                                  early_stop=True))
+    r = twin.simulate(sc)
+    assert r.stopped_early_s == 0.0 and r.starving and r.steps == 0
+    assert r.arrived == round(8 * 40.0 * 600)
+    full = twin.simulate(scenario_from_dict({**small(adapters=[{"count": 8, "rank": 16, "rate": 40.0}],
+                                                     duration_s=600,
+                                                     engine={"max_num_seqs": 256, "max_num_batched_tokens": 2048}),
+                                             "early_stop": False}))
+    assert full.starving and full.throughput_tok_s < 0.5 * full.incoming_token_rate
+    lighter = twin.simulate(scenario_from_dict(small(duration_s=600, early_stop=True)))
+    assert lighter.steps > 0                     # below the bound: simulated as before

@@ -119,6 +119,45 @@ def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank:
     return n / ((lat.sched_base_ms + cheapest) / 1000.0)
 
 
+#: pre-replay early stop: expected load at least this x what the engine can serve at most ...
+CERTAIN_LOAD_FACTOR = 2.0
+#: ... and at least this many expected Poisson requests (see _certain_without_replay)
+CERTAIN_MIN_REQUESTS = 10_000
+
+
+def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: bool):
+    """(expected requests, expected tokens) when the outcome is certain before any request is
+    drawn, else None.  Only for ``early_stop`` scenarios with Poisson arrivals, no client cap and a
+    length model of known mean.  An OOM needs no replay at all.  A starting engine is certainly
+    starving when the expected incoming tokens are >= CERTAIN_LOAD_FACTOR x rho^-1 x its maximum
+    token rate over the window and the window holds >= CERTAIN_MIN_REQUESTS expected requests:
+    the realised load then falls below half its mean -- the only way the run could not starve --
+    with probability < 1e-12 (Chernoff: fewer than 75 % of the expected requests, e^(-N/32);
+    Hoeffding: mean length below 2/3 of its mean over >= 7,500 requests, < e^-60 for lengths in
+    [8, 2048] around 416).  Such a run would stop at t = 0 anyway, after drawing up to millions of
+    requests.  The result reports the *expected* incoming rate and request count."""
+    from twin.workload import SHAREGPT_TARGET_MEANS
+
+    a, ln = sc.arrivals, sc.lengths
+    if a.process != "poisson" or sc.client.max_inflight is not None:
+        return None
+    if ln.source == "sharegpt":
+        mean_tokens = sum(SHAREGPT_TARGET_MEANS)
+    elif ln.source == "mean" and ln.mean_in is not None and ln.mean_out is not None:
+        mean_tokens = ln.mean_in + ln.mean_out
+    else:
+        return None
+    _, _, rates = sc.adapter_table()
+    n_req = float(sum(rates)) * sc.duration_s
+    tokens = n_req * mean_tokens
+    if not starts:
+        return int(round(n_req)), tokens
+    cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+    if n_req >= CERTAIN_MIN_REQUESTS and tokens >= CERTAIN_LOAD_FACTOR * cap * sc.duration_s / sc.rho:
+        return int(round(n_req)), tokens
+    return None
+
+
 def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool = False,
              requests: Requests | None = None, check_invariants: bool = False,
              fast_forward: bool = True) -> Result:
@@ -135,14 +174,25 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
             f"engine.max_num_batched_tokens: {eng['max_num_batched_tokens']} < max_model_len "
             f"{eng['max_model_len']}; vLLM {profile.vllm_version} without chunked prefill requires "
             "max_num_batched_tokens >= max_model_len")
+    T = sc.duration_s
+    null = {"mean": None, "median": None, "p99": None}
+    if requests is None and sc.early_stop:
+        certain = _certain_without_replay(sc, profile, eng, starts)
+        if certain is not None:        # starvation (or OOM) certain before a request is drawn
+            n_req, tokens = certain
+            return Result(
+                status="ok" if starts else "oom", duration_s=T, completed=0, total_input_tokens=0,
+                total_output_tokens=0, throughput_tok_s=0.0, input_throughput=0.0, output_throughput=0.0,
+                incoming_token_rate=tokens / T, starving=True, ttft_ms=null, itl_ms=null, tpot_ms=null,
+                running_mean=0.0, waiting_mean=0.0, preemptions=0, adapter_loads_cpu=0, adapter_loads_disk=0,
+                kv_cache_tokens=int(kv_tokens), stopped_early_s=0.0 if starts else None,
+                oom_reason=reason, arrived=n_req, wall_s=time.perf_counter() - t_wall, engine=eng)
     req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
     if len(req) and int((req.in_len + req.out_len).max()) > eng["max_model_len"]:
         raise ScenarioError(f"requests: a request of {int((req.in_len + req.out_len).max())} tokens exceeds "
                             f"max_model_len {eng['max_model_len']}")
-    T = sc.duration_s
     arrived_tokens = int((req.in_len + req.out_len).sum())
     incoming = arrived_tokens / T
-    null = {"mean": None, "median": None, "p99": None}
     if not starts:
         return Result(
             status="oom", duration_s=T, completed=0, total_input_tokens=0, total_output_tokens=0,
