@@ -56,10 +56,8 @@ def route_requests(p: Placement, req: Requests, seed: int) -> np.ndarray:
 
 def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed: int) -> list[dict]:
     gpu_of = route_requests(p, req, seed)
-    index = {a.id: k for k, a in enumerate(p.adapters)}
     jobs = []
-    for g, cfg in enumerate(p.gpus):
-        on = [(index[aid], w) for aid, rs in p.routes.items() for gg, w in rs if gg == g]
+    for g, (cfg, on) in enumerate(zip(p.gpus, p.by_gpu())):
         on.sort()
         local = np.full(len(p.adapters), -1, np.int64)
         for j, (k, _) in enumerate(on):
@@ -224,9 +222,10 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
         run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address)
     res: list[dict] = results  # type: ignore[assignment]
     per_gpu = []
+    counts = [len(on) for on in p.by_gpu()]
     for r, cfg in zip(res, p.gpus):
         per_gpu.append({
-            "gpu": r["gpu"], "adapters": len(p.adapters_on(r["gpu"])), "max_loras": cfg.max_loras,
+            "gpu": r["gpu"], "adapters": counts[r["gpu"]], "max_loras": cfg.max_loras,
             "max_lora_rank": cfg.max_lora_rank, "status": r["status"],
             "oom_reason": r.get("oom_reason", ""), "arrived": r["arrived"], "completed": r["completed"],
             "incoming_token_rate": r["incoming_token_rate"], "throughput_tok_s": r["throughput_tok_s"],

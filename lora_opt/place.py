@@ -30,8 +30,9 @@ def placement_table(p: Placement) -> str:
     lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
              f"{'pred tok/s':>10} {'margin':>7} {'twin':>10}"]
     failing = set(m.get("gpus_failing_startup", []))
+    on_gpu = p.by_gpu()
     for i, g in enumerate(p.gpus):
-        ads = p.adapters_on(i)
+        ads = [p.adapters[k] for k, _ in on_gpu[i]]
         thr = (m.get("predicted_throughput") or [None] * len(p.gpus))[i]
         mar = (m.get("starvation_margin") or [None] * len(p.gpus))[i]
         rate = (m.get("incoming_rate_req_s") or [0.0] * len(p.gpus))[i]
@@ -74,8 +75,10 @@ def write_outputs(p: Placement, profile, out_dir: Path, *, emit_vllm: bool, mode
         vdir = out_dir / "vllm"
         vdir.mkdir(exist_ok=True)
         lines = []
+        on_gpu = p.by_gpu()
         for i in range(len(p.gpus)):
-            argv = serve_command(p, i, model, host=host, port=base_port + i)
+            argv = serve_command(p, i, model, host=host, port=base_port + i,
+                                 adapters=[p.adapters[k] for k, _ in on_gpu[i]])
             check_serve_args(argv)
             line = f"CUDA_VISIBLE_DEVICES={i} " + shlex.join(argv)
             lines.append(line)

@@ -68,8 +68,20 @@ class Placement:
     meta: dict = field(default_factory=dict)
 
     def adapters_on(self, gpu: int) -> list[Adapter]:
-        by_id = {a.id: a for a in self.adapters}
-        return [by_id[aid] for aid, rs in self.routes.items() if any(g == gpu for g, _ in rs)]
+        """Adapters routed (wholly or partly) to ``gpu``, in route order."""
+        return [self.adapters[k] for k, _ in self.by_gpu()[gpu]] if 0 <= gpu < len(self.gpus) else []
+
+    def by_gpu(self) -> list[list[tuple[int, float]]]:
+        """Per GPU: (index into ``adapters``, routing weight), built in one pass over the routes
+        (placements of 100k adapters on 1,000 GPUs are read GPU by GPU)."""
+        index = {a.id: k for k, a in enumerate(self.adapters)}
+        out: list[list[tuple[int, float]]] = [[] for _ in self.gpus]
+        for aid, rs in self.routes.items():
+            k = index.get(aid)
+            for g, w in rs:
+                if k is not None and 0 <= g < len(out):
+                    out[g].append((k, w))
+        return out
 
     def to_dict(self) -> dict:
         return {"profile": self.profile, "policy": self.policy, "meta": self.meta,

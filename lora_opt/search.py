@@ -145,8 +145,9 @@ def encode(p: Placement, setup: SearchSetup) -> dict | None:
     if len(p.gpus) > setup.pool:
         return None
     expect = 0
+    on_gpu = p.by_gpu()
     for g, cfg in enumerate(p.gpus):
-        ids = p.adapters_on(g)
+        ids = [p.adapters[k] for k, _ in on_gpu[g]]
         ks = sorted(pos[a.id] for a in ids)
         if any(len(p.routes[a.id]) != 1 for a in ids) or ks != list(range(expect, expect + len(ks))):
             return None

@@ -23,10 +23,13 @@ def serve_options() -> dict:
     return json.loads(SERVE_ARGS.read_text())["options"]
 
 
-def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1", port: int = 8000) -> list[str]:
-    """argv of ``vllm serve`` for GPU ``gpu`` of the placement."""
+def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1", port: int = 8000,
+                  adapters=None) -> list[str]:
+    """argv of ``vllm serve`` for GPU ``gpu`` of the placement (``adapters``: its adapters, when
+    the caller already has them)."""
     g = p.gpus[gpu]
-    modules = [f"{a.id}={a.path or f'adapters/{a.id}'}" for a in p.adapters_on(gpu)]
+    adapters = p.adapters_on(gpu) if adapters is None else adapters
+    modules = [f"{a.id}={a.path or f'adapters/{a.id}'}" for a in adapters]
     argv = ["vllm", "serve", model, "--host", host, "--port", str(port),
             "--enable-lora", "--max-loras", str(g.max_loras), "--max-lora-rank", str(g.max_lora_rank),
             "--max-cpu-loras", str(g.max_cpu_loras), "--max-model-len", str(g.max_model_len),

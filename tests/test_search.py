@@ -111,11 +111,11 @@ def test_resume_after_kill(tmp_path):
             done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
         except Exception:  # noqa: BLE001 - the study may not exist yet
             continue
-        if done >= 3:
+        if done >= 2:
             break
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert done >= 3
+    assert done >= 2
     kept = {t.number for t in optuna.load_study(study_name="k", storage=db).trials
             if t.state == optuna.trial.TrialState.COMPLETE}
     assert subprocess.run(cmd, capture_output=True).returncode == 0
