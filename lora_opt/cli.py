@@ -159,6 +159,7 @@ def cmd_train(args) -> int:
 def _policy_options(args) -> dict:
     opts = {}
     if args.policy == "greedy-plus":
+        opts["progress"] = sys.stderr.isatty() and not args.json
         for k in ("margin", "verify_s", "ttft_p99_s", "oracle"):
             v = getattr(args, k, None)
             if v is not None:
@@ -302,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_dataset)
 
     tr = sub.add_parser("train", help="train the throughput / starvation surrogates on a dataset, distil them")
-    tr.add_argument("--dataset", required=True, help="dataset directory written by lora-opt dataset")
+    tr.add_argument("--dataset", required=True, nargs="+",
+                    help="dataset directory (or several, concatenated) written by lora-opt dataset")
     tr.add_argument("--out", required=True, help="output directory for the models, rules and metrics")
     tr.add_argument("--tracking-uri", help="MLflow tracking URI (default: local mlruns/)")
     tr.add_argument("--fast", action="store_true", help="tiny hyper-parameter grids (smoke runs)")

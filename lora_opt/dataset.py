@@ -66,10 +66,20 @@ class Grid:
     """Points per shard (one Ray task, one Parquet file)."""
     sample: int | None = None
     """Label only this many points, a seeded uniform sample of the grid (None = every point)."""
+    load_band: tuple[float, float] | None = None
+    """Keep only points whose expected incoming load (served adapters' rates x 416 tokens) lies in
+    [lo, hi] tok/s, before sampling -- to put training points where the uniform grid is thin
+    (near a GPU's saturation, or at very low load)."""
 
     def points(self) -> list[dict]:
         """The grid's points in a fixed order (point id = index), or the seeded sample of them."""
         out = self._all_points()
+        if self.load_band is not None:
+            from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
+            lo, hi = self.load_band
+            out = [p for p in out
+                   if lo <= DEFAULT_TOKENS_PER_REQUEST * sum(c * q for c, q in zip(split_counts(p["n"], self.groups),
+                                                                                     p["rates"])) <= hi]
         if self.sample is not None and self.sample < len(out):
             import random
 
@@ -109,6 +119,11 @@ def load_grid(path: str | Path) -> tuple[str | None, Grid]:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ScenarioError(f"{p}: unknown field(s) {unknown}; allowed: {sorted(names | {'profile'})}")
+    if data.get("load_band") is not None:
+        lb = data["load_band"]
+        if not (isinstance(lb, list) and len(lb) == 2 and all(isinstance(x, (int, float)) for x in lb) and 0 <= lb[0] <= lb[1]):
+            raise ScenarioError(f"{p}.load_band: expected [lo, hi] tok/s with 0 <= lo <= hi, got {lb!r}")
+        data["load_band"] = (float(lb[0]), float(lb[1]))
     for k in ("ranks", "rates", "served", "max_loras"):
         if k in data:
             if not isinstance(data[k], list) or not data[k]:

@@ -108,7 +108,8 @@ def frame_hash(df) -> str:
     surrogate run links to the dataset run that made its rows."""
     d = df
     if "point_id" in d.columns:
-        d = d.sort_values("point_id", kind="stable", ignore_index=True)
+        keys = ["dataset", "point_id"] if "dataset" in d.columns else ["point_id"]
+        d = d.sort_values(keys, kind="stable", ignore_index=True)
     d = d.drop(columns=[c for c in ("wall_s",) if c in d.columns])
     return hashlib.sha256(d.to_csv(index=False).encode()).hexdigest()[:16]
 
@@ -731,12 +732,20 @@ def load_dataset_dir(dataset_dir) -> tuple[Any, str]:
 
 def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool = False, *,
               seed: int = 0, track: bool = True) -> dict:
-    """``lora-opt train``: read the Parquet dataset, train and choose the surrogates, distill the
-    random forests into one rule tree per head, write ``surrogate.joblib``, ``distilled.json``,
-    ``rules.txt``, ``metrics.json`` (and plots) into ``out_dir``; return the metrics."""
+    """``lora-opt train``: read the Parquet dataset(s) (one directory or a list, concatenated in
+    order), train and choose the surrogates, distill the random forests into one rule tree per
+    head, write ``surrogate.joblib``, ``distilled.json``, ``rules.txt``, ``metrics.json`` (and
+    plots) into ``out_dir``; return the metrics."""
+    import pandas as pd
+
     from lora_opt import distill
 
-    df, _ = load_dataset_dir(dataset_dir)
+    dirs = [dataset_dir] if isinstance(dataset_dir, (str, Path)) else list(dataset_dir)
+    frames = []
+    for k, d in enumerate(dirs):
+        part, _ = load_dataset_dir(d)
+        frames.append(part.assign(dataset=k) if len(dirs) > 1 else part)
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     out_dir = Path(out_dir)
     res = train_surrogates(df, out_dir, tracking_uri=tracking_uri, fast=fast, seed=seed, track=track)
     rf = res["families"]["rf"]
@@ -747,7 +756,7 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     (out_dir / "rules.txt").write_text(dist.rules())
     metrics = res["metrics"]
     metrics["distilled"] = report
-    metrics["dataset"]["dir"] = str(Path(dataset_dir).resolve())
+    metrics["dataset"]["dir"] = ", ".join(str(Path(d).resolve()) for d in dirs)
     write_json(out_dir / "metrics.json", metrics)
     if track:
         _log_distilled(metrics["mlflow"], report, out_dir)

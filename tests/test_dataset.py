@@ -94,3 +94,16 @@ def test_sampled_grid_is_a_seeded_subset(tmp_path):
     assert len(default.points()) == 4000
     with pytest.raises(ScenarioError, match="sample"):
         ds.load_grid(_grid(tmp_path, sample=0))
+
+
+def test_load_band_keeps_points_by_expected_load(tmp_path):
+    from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
+    for name, (lo, hi) in (("boundary", (1500, 16000)), ("lowload", (0, 250))):
+        _, g = ds.load_grid(name)
+        pts = g.points()
+        assert g.sample == len(pts)
+        for p in pts:
+            load = DEFAULT_TOKENS_PER_REQUEST * sum(c * q for c, q in zip(ds.split_counts(p["n"], g.groups), p["rates"]))
+            assert lo <= load <= hi
+    with pytest.raises(ScenarioError, match="load_band"):
+        ds.load_grid(_grid(tmp_path, load_band=[5, 1]))

@@ -171,3 +171,9 @@ def test_metric_helpers():
     assert sg.smape([110, 0], [90, 0]) == pytest.approx(10.0)
     r = sg.error_rates([1, 1, 0, 0], [True, False, True, False])
     assert r["false_feasible_rate"] == 0.5 and r["false_infeasible_rate"] == 0.5
+
+
+def test_train_on_several_datasets_concatenates_them(trained, tmp_path):
+    metrics = sg.train_cli([trained["data"], trained["data"]], tmp_path / "two", fast=True, track=False)
+    assert metrics["dataset"]["rows"] == 2 * trained["metrics"]["dataset"]["rows"]
+    assert metrics["dataset"]["dir"].count(",") == 1

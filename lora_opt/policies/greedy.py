@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
+from tqdm import tqdm
 
 from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
 from lora_opt.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
@@ -249,7 +250,7 @@ class GreedyPlus(_GreedyBase):
 
     def __init__(self, margin: float = 0.10, oracle: str | None = None, verify_s: float = 900.0,
                  ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True,
-                 criterion=None):
+                 criterion=None, progress: bool = False):
         from twin.errors import ScenarioError
         if not isinstance(max_adapters, int) or max_adapters < 1:
             raise ScenarioError(f"max_adapters: must be an integer >= 1, got {max_adapters!r}")
@@ -260,6 +261,8 @@ class GreedyPlus(_GreedyBase):
         #: what the twin verification demands of a GPU (``lora_opt.evaluate.Criterion``; default:
         #: the workload's rho); the p99 TTFT bound applies on top of it
         self.criterion = criterion
+        #: a progress bar (stderr) over the adapters placed: twin verification takes seconds
+        self.progress = progress
         if not 0 <= margin <= 1:
             raise ScenarioError(f"margin: must be in [0, 1], got {margin}")
         if verify_s < 0:
@@ -396,6 +399,7 @@ class GreedyPlus(_GreedyBase):
         s, N = 0, len(order)
         self.twin_calls = 0
         packed: list[tuple[int, int, int, float | None]] = []
+        bar = tqdm(total=N, desc="placing", unit="adapter", disable=not self.progress, leave=False)
         while s < N:
             mem_cap = mem_caps[int(ranks[s])]
             cap = min(mem_cap, SURROGATE_MAX_ADAPTERS)      # A_max values the surrogate knows
@@ -419,10 +423,13 @@ class GreedyPlus(_GreedyBase):
             if found is None:
                 unplaceable.append(int(order[s]))
                 s += 1
+                bar.update(1)
                 continue
             n, (ok, amax, thr) = found
             packed.append((s, n, amax, thr))
             s += n
+            bar.update(n)
+        bar.close()
         if self.balance and len(packed) >= 2 and not unplaceable:
             # equal parts serve more than full GPUs plus a light one: try one GPU fewer first
             for k in (len(packed) - 1, len(packed)):
