@@ -173,7 +173,8 @@ def cmd_place(args) -> int:
 
     wl = load_workload(args.workload)
     return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
-                     surrogate=args.surrogate, policy_options=_policy_options(args), as_json=args.json)
+                     surrogate=args.surrogate, policy_options=_policy_options(args), as_json=args.json,
+                     history=args.history)
 
 
 def cmd_evaluate(args) -> int:
@@ -325,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--verify-s", type=float, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
     pl.add_argument("--ttft-p99-s", type=float, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
     pl.add_argument("--oracle", choices=["full", "distilled"], help="greedy-plus: surrogate to consult (default full)")
+    pl.add_argument("--history", metavar="LOG.csv",
+                    help="request log (timestamp_s, adapter, input_tokens, output_tokens): rates are estimated "
+                         "from it and greedy-plus verifies every GPU on these requests, bursts included")
     pl.add_argument("--json", action="store_true", help="print the placement and verdict as one JSON object")
     pl.set_defaults(func=cmd_place)
 

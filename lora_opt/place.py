@@ -94,12 +94,17 @@ def write_outputs(p: Placement, profile, out_dir: Path, *, emit_vllm: bool, mode
 
 
 def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm: bool, model: str | None,
-              surrogate: str | None, policy_options: dict, as_json: bool = False, out=None) -> int:
+              surrogate: str | None, policy_options: dict, as_json: bool = False, out=None,
+              history: str | None = None) -> int:
     from lora_opt.policies import PlacementContext, get_policy
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
-    ctx = PlacementContext.for_workload(wl, surrogate)
+    log = None
+    if history:
+        from lora_opt.workload import load_request_log
+        wl, log, span = load_request_log(wl, history)
+    ctx = PlacementContext.for_workload(wl, surrogate, history=log, history_s=span if history else 0.0)
     p = policy.place(wl, gpus, ctx)
     code, message = verdict(p)
     out_path = Path(out_dir or f"outputs/placement-{wl.name or 'workload'}")
@@ -112,6 +117,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
         return code
     out.write(f"workload {wl.name}: {len(wl.adapters)} adapters, {wl.total_rate:.2f} req/s; policy {p.policy}; "
               f"profile {wl.profile}\n")
+    if history:
+        out.write(f"rates from {history}: {len(log):,} requests over {span:,.0f} s\n")
     out.write(placement_table(p) + "\n")
     for note in p.meta.get("notes", []):
         out.write(f"note: {note}\n")

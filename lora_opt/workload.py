@@ -206,3 +206,60 @@ def evaluation_scenario(wl: Workload, adapters, engine: dict | None = None) -> d
         "lengths": dataclasses.asdict(ev.lengths),
         "duration_s": ev.duration_s, "rho": wl.rho, "seed": ev.seed,
     }
+
+
+def load_request_log(wl: Workload, path: str | Path):
+    """A log of served requests -> (workload with each adapter's rate = its requests / the log's
+    span, the log as ``Requests`` in workload adapter order, the span in s).
+
+    CSV columns: ``timestamp_s`` (seconds, any origin) or ``timestamp`` (date-time), ``adapter``
+    (an id of the workload), ``input_tokens``, ``output_tokens``.  greedy-plus verifies GPUs on
+    these requests (bursts included) instead of Poisson traffic."""
+    import dataclasses
+
+    import numpy as np
+    import pandas as pd
+
+    from twin.workload import Requests
+
+    p = Path(path)
+    if not p.exists():
+        raise ScenarioError(f"request log not found: {p}")
+    try:
+        df = pd.read_csv(p)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
+        raise ScenarioError(f"request log {p}: cannot be read as CSV: {exc}") from None
+    tcol = "timestamp_s" if "timestamp_s" in df.columns else ("timestamp" if "timestamp" in df.columns else None)
+    missing = [c for c in ("adapter", "input_tokens", "output_tokens") if c not in df.columns]
+    if tcol is None or missing:
+        raise ScenarioError(f"request log {p}: needs columns timestamp_s (or timestamp), adapter, input_tokens, "
+                            f"output_tokens; missing {missing + ([] if tcol else ['timestamp_s'])}")
+    if len(df) == 0:
+        raise ScenarioError(f"request log {p}: no requests")
+    t = (pd.to_datetime(df[tcol], errors="coerce") if tcol == "timestamp"
+         else pd.to_numeric(df[tcol], errors="coerce"))
+    if t.isna().any():
+        row = int(np.flatnonzero(t.isna().to_numpy())[0])
+        raise ScenarioError(f"request log {p} line {row + 2}: bad {tcol} value {df[tcol].iloc[row]!r}")
+    t = ((t - t.min()).dt.total_seconds() if tcol == "timestamp" else t - t.min()).to_numpy(float)
+    index = {a.id: k for k, a in enumerate(wl.adapters)}
+    ids = df["adapter"].astype(str)
+    unknown = sorted(set(ids) - set(index))
+    if unknown:
+        raise ScenarioError(f"request log {p}: adapter(s) not in the workload: {', '.join(unknown[:5])}"
+                            f"{' ...' if len(unknown) > 5 else ''}")
+    ins = pd.to_numeric(df["input_tokens"], errors="coerce")
+    outs = pd.to_numeric(df["output_tokens"], errors="coerce")
+    bad = ins.isna() | outs.isna() | (ins < 1) | (outs < 1)
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise ScenarioError(f"request log {p} line {row + 2}: input_tokens and output_tokens must be integers >= 1")
+    span = float(t.max()) if t.max() > 0 else 1.0
+    adapter = ids.map(index).to_numpy(np.int64)
+    order = np.argsort(t, kind="stable")
+    counts = np.bincount(adapter, minlength=len(wl.adapters))
+    adapters = tuple(dataclasses.replace(a, rate=float(c) / span) for a, c in zip(wl.adapters, counts))
+    req = Requests(arrival=np.ascontiguousarray(t[order]), adapter=adapter[order].astype(np.int32),
+                   in_len=ins.to_numpy(np.int32)[order], out_len=outs.to_numpy(np.int32)[order])
+    meta = {**wl.meta, "rates_from_log": str(p), "log_requests": int(len(df)), "log_span_s": span}
+    return dataclasses.replace(wl, adapters=adapters, meta=meta), req, span

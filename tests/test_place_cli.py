@@ -97,3 +97,37 @@ def test_evaluate_cli_json(tmp_path, capsys):
 def test_evaluate_missing_file(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "nope.json")]) == 2
     assert "placement file not found" in capsys.readouterr().err
+
+
+def _log(tmp_path, ids, n=2000, span=600.0, seed=0):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    t = np.sort(rng.uniform(0, span, n))
+    rows = ["timestamp_s,adapter,input_tokens,output_tokens"]
+    rows += [f"{x:.3f},{rng.choice(ids)},{rng.integers(20, 400)},{rng.integers(20, 300)}" for x in t]
+    f = tmp_path / "log.csv"
+    f.write_text("\n".join(rows) + "\n")
+    return f
+
+
+def test_place_from_a_request_log_verifies_on_it(tmp_path, capsys):
+    ids = [f"s-{i}" for i in range(40)] + [f"m-{i}" for i in range(20)]
+    log = _log(tmp_path, ids)
+    out = tmp_path / "o"
+    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--out", str(out),
+               "--history", str(log)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "rates from" in text and "observed" in text
+    p = Placement.load(out / "placement.json")
+    assert abs(sum(a.rate for a in p.adapters) - 2000 / p.meta["workload_meta"]["log_span_s"]) < 1e-6
+
+
+def test_request_log_errors_name_the_problem(tmp_path, capsys):
+    log = _log(tmp_path, ["s-0", "nobody"], n=10)
+    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--history", str(log)])
+    assert rc == 2 and "not in the workload: nobody" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,adapter\n1,s-0\n")
+    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--history", str(bad)])
+    assert rc == 2 and "needs columns timestamp_s" in capsys.readouterr().err
