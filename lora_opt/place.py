@@ -49,8 +49,10 @@ def verdict(p: Placement) -> tuple[int, str]:
     m = p.meta
     if m.get("unplaceable"):
         ids = m["unplaceable"]
+        hint = ("; its surrogate calls even a GPU of their own starving -- greedy-plus checks such GPUs "
+                "on the twin" if p.policy in ("greedy", "greedy-fast") else "")
         return EXIT_INFEASIBLE, (f"infeasible: {len(ids)} adapter(s) cannot be served by the policy "
-                                 f"({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''})")
+                                 f"({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}){hint}")
     if not m.get("feasible"):
         return EXIT_INFEASIBLE, (f"infeasible: the workload needs {m['gpus_needed']} GPUs with policy {p.policy}; "
                                  f"the pool has {m['gpus_pool']}. Rerun with --gpus {m['gpus_needed']}.")

@@ -71,3 +71,13 @@ def test_trace_replay_mapping_and_scaling():
     assert share[0] > 5 * np.median(share)
     flat = np.bincount(uni.adapter, minlength=50)
     assert flat.max() < 3 * flat.mean()
+
+
+def test_a_scenario_without_any_request_simulates():
+    """Adapters too idle to send a request in the window: zero requests, nothing starves."""
+    import twin
+    from twin.scenario import scenario_from_dict
+    sc = scenario_from_dict({"profile": "llama-3.1-8b-h100-64gb", "duration_s": 10,
+                             "adapters": [{"count": 2, "rank": 8, "rate": 1e-9}]})
+    r = twin.simulate(sc)
+    assert r.arrived == 0 and r.completed == 0 and not r.starving

@@ -66,7 +66,7 @@ class Requests:
 # ---- lengths ---------------------------------------------------------------------------------
 def _sharegpt_draw(rng: np.random.Generator, n: int, mu_in: float, mu_out: float):
     """n (prompt, output) pairs from the truncated log-normal model (rejection sampling)."""
-    ins, outs, have = [], [], 0
+    ins, outs, have = [np.empty(0, np.int64)], [np.empty(0, np.int64)], 0   # n may be 0
     while have < n:
         m = max(64, int((n - have) * 1.3))
         i = np.rint(rng.lognormal(mu_in, SHAREGPT_SIGMA_IN, m)).astype(np.int64)
