@@ -226,14 +226,22 @@ def cmd_search(args) -> int:
     out = Path(args.out or f"outputs/search-{wl.name}")
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out / 'study.db'}"
-    ctx = PlacementContext.for_workload(wl, args.surrogate)
-    setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective)
     T = wl.evaluation.duration_s
-    res = run_search(setup, ctx, Traffic(None, T, seed=wl.evaluation.seed + 1), trials=args.trials,
+    search_traffic, heldout = Traffic(None, T, seed=wl.evaluation.seed + 1), Traffic(None, T, seed=wl.evaluation.seed)
+    ctx_kw: dict = {}
+    if args.history:
+        # the log's first half sets the rates and is searched on; its second half is held out
+        from lora_opt.workload import load_request_log, split_request_log
+        wl, log, span = load_request_log(wl, args.history)
+        wl, first, second, half = split_request_log(wl, log, span)
+        search_traffic, heldout = Traffic(first, half), Traffic(second, span - half)
+        ctx_kw = {"history": first, "history_s": half}
+    ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
+    setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective)
+    res = run_search(setup, ctx, search_traffic, trials=args.trials,
                      storage=storage, study_name=args.study, seed=args.seed, workers=args.workers,
                      ray_address=args.ray_address, timeout_s=args.timeout_s, seeds=not args.no_seeds)
-    rows = replay_front(res.front, setup, Traffic(None, T, seed=wl.evaluation.seed), workers=args.workers,
-                        ray_address=args.ray_address)
+    rows = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
     for r in rows:
         r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
     (out / "front.json").write_text(json.dumps({"study": res.study_name, "storage": res.storage,
@@ -366,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--objective", default="p99_ttft", choices=["p99_ttft", "mean_ttft", "p99_itl", "mean_itl"],
                     help="latency objective (default p99_ttft)")
     add_criterion(se)
+    se.add_argument("--history", metavar="LOG.csv",
+                    help="request log (as for place): rates and search traffic from its first half, the front "
+                         "replayed on its second half")
     se.add_argument("--seed", type=int, default=0, help="sampler seed")
     se.add_argument("--no-seeds", action="store_true", help="do not start from the greedy placements")
     se.add_argument("--timeout-s", type=float, default=600.0, help="a trial running longer is recorded as failed")

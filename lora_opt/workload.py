@@ -263,3 +263,21 @@ def load_request_log(wl: Workload, path: str | Path):
                    in_len=ins.to_numpy(np.int32)[order], out_len=outs.to_numpy(np.int32)[order])
     meta = {**wl.meta, "rates_from_log": str(p), "log_requests": int(len(df)), "log_span_s": span}
     return dataclasses.replace(wl, adapters=adapters, meta=meta), req, span
+
+
+def split_request_log(wl: Workload, req, span: float):
+    """(workload with rates from the first half of the log, first-half requests, second-half
+    requests shifted to start at 0, the split time): estimate on one half, judge on the other."""
+    import dataclasses
+
+    import numpy as np
+
+    from twin.workload import Requests
+
+    half = span / 2.0
+    first = req.arrival < half
+    counts = np.bincount(req.adapter[first], minlength=len(wl.adapters))
+    adapters = tuple(dataclasses.replace(a, rate=float(c) / half) for a, c in zip(wl.adapters, counts))
+    pick = (lambda m, shift: Requests(arrival=np.ascontiguousarray(req.arrival[m] - shift), adapter=req.adapter[m],
+                                      in_len=req.in_len[m], out_len=req.out_len[m]))
+    return dataclasses.replace(wl, adapters=adapters), pick(first, 0.0), pick(~first, half), half

@@ -178,3 +178,21 @@ def test_task_pool_times_out_and_reports_exceptions():
     serial.submit("bad", "not a number")
     key, res = serial.next_done()
     assert key == "bad" and isinstance(res, TypeError)
+
+
+def test_search_cli_on_a_request_log(tmp_path, capsys):
+    import numpy as np
+    import yaml
+
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    ids = [f"s-{i}" for i in range(14)] + [f"m-{i}" for i in range(10)]
+    rng = np.random.default_rng(0)
+    t = np.sort(rng.uniform(0, 240, 1500))
+    log = tmp_path / "log.csv"
+    log.write_text("timestamp_s,adapter,input_tokens,output_tokens\n"
+                   + "\n".join(f"{x:.3f},{rng.choice(ids)},{rng.integers(20, 300)},{rng.integers(20, 200)}" for x in t))
+    rc = main(["search", "--workload", str(wfile), "--gpus", "2", "--trials", "3", "--workers", "1",
+               "--out", str(tmp_path / "o"), "--history", str(log), "--no-seeds"])
+    assert rc == 0 and "Pareto front" in capsys.readouterr().out
