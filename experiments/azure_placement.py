@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lora_opt.evaluate import evaluate_placement  # noqa: E402
+from lora_opt.evaluate import evaluate_placement, served_ok  # noqa: E402
 from lora_opt.policies import PlacementContext, get_policy  # noqa: E402
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
 from lora_opt.trace_workload import trace_split  # noqa: E402
@@ -50,7 +50,7 @@ def run_cell(trace, ranks, load, seed, workers, max_model_len=None):
         place_s = time.perf_counter() - t
         ev = evaluate_placement(p, sp.workload, requests=sp.replay, duration_s=sp.duration_s, workers=workers,
                                 progress=False)
-        ok = ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
+        ok = served_ok(ev)
         rows.append({
             "trace": trace, "ranks": "/".join(map(str, ranks)), "load_req_s": load, "seed": seed, "policy": label,
             "feasible_on_pool": bool(p.meta["feasible"]), "gpus": len(p.gpus),

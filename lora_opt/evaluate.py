@@ -257,6 +257,11 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
     }
 
 
+def served_ok(ev: dict) -> bool:
+    """An evaluation with no starving GPU, none failing to start and every request routed."""
+    return ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
+
+
 def evaluation_table(ev: dict) -> str:
     """Plain-text table of an evaluation (one line per GPU and a total)."""
     def f(x, spec="8.1f"):

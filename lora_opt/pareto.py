@@ -14,8 +14,8 @@ import math
 import time
 from pathlib import Path
 
-from lora_opt.evaluate import Criterion, evaluate_placement
-from lora_opt.search import SearchSetup, Traffic, hypervolume, objective_value, replay_front, run_search
+from lora_opt.evaluate import Criterion, served_ok
+from lora_opt.search import SearchSetup, Traffic, hypervolume, objective_value, replay, replay_front, run_search
 
 METHODS = ("greedy-plus", "greedy", "search")
 
@@ -28,13 +28,8 @@ def criteria_sweep(rhos, ttft_slos_ms, itl_slos_ms, attainment: float) -> list[C
 
 
 def _replay(p, wl, traffic: Traffic, criterion, objective, workers, ray_address):
-    import dataclasses
-    if traffic.requests is None:
-        wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
-    ev = evaluate_placement(p, wl, requests=traffic.requests, duration_s=traffic.duration_s, workers=workers,
-                            ray_address=ray_address, progress=False, criterion=criterion)
-    ok = ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
-    return objective_value(ev, objective), ok
+    ev = replay(p, wl, traffic, criterion=criterion, workers=workers, ray_address=ray_address)
+    return objective_value(ev, objective), served_ok(ev)
 
 
 def pareto_points(points: list[dict]) -> list[dict]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from lora_opt.evaluate import GRACE_S, Criterion, evaluate_placement
+from lora_opt.evaluate import GRACE_S, Criterion, evaluate_placement, served_ok
 from lora_opt.placement import Placement
 from lora_opt.policies.base import PlacementContext, gpu_config
 from lora_opt.policies.greedy import max_loras_that_start, priority_order
@@ -63,6 +63,16 @@ class Traffic:
     """None = generate from the workload's evaluation section (with ``seed``)."""
     duration_s: float
     seed: int = 0
+
+
+def replay(p: Placement, wl: Workload, traffic: Traffic, *, criterion: Criterion, grace_s: float = GRACE_S,
+           workers: int | None = 1, ray_address: str | None = None) -> dict:
+    """``evaluate_placement`` on ``traffic`` -- its requests, or the workload's evaluation traffic
+    drawn with the traffic's seed."""
+    if traffic.requests is None:
+        wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
+    return evaluate_placement(p, wl, requests=traffic.requests, duration_s=traffic.duration_s, workers=workers,
+                              ray_address=ray_address, progress=False, grace_s=grace_s, criterion=criterion)
 
 
 @dataclass
@@ -167,11 +177,7 @@ def run_trial(params: dict, setup: SearchSetup, traffic: Traffic) -> dict:
     """Ray task / serial unit: decode, replay, objectives and constraints."""
     t0 = time.perf_counter()
     p = decode(params, setup)
-    wl = setup.workload
-    if traffic.requests is None:
-        wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
-    ev = evaluate_placement(p, wl, requests=traffic.requests, duration_s=traffic.duration_s, workers=1,
-                            progress=False, grace_s=setup.grace_s, criterion=setup.criterion)
+    ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s)
     return {"values": [float(len(p.gpus)), objective_value(ev, setup.objective)],
             "constraints": [float(ev["gpus_starving"]), float(ev["gpus_failing_startup"]),
                             float(min(ev["unrouted_requests"], 1))],
@@ -311,16 +317,11 @@ def replay_front(front: list[dict], setup: SearchSetup, traffic: Traffic, *, wor
     """Replay every front point on (held-out) ``traffic``: its objective there and whether it is
     still feasible; also the placements themselves."""
     out = []
-    wl = setup.workload
-    if traffic.requests is None:
-        wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
     for f in front:
         p = decode(f["params"], setup)
-        ev = evaluate_placement(p, wl, requests=traffic.requests, duration_s=traffic.duration_s, workers=workers,
-                                ray_address=ray_address, progress=False, grace_s=setup.grace_s,
-                                criterion=setup.criterion)
-        ok = ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
-        out.append({**f, "heldout": objective_value(ev, setup.objective), "heldout_feasible": ok,
+        ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s, workers=workers,
+                    ray_address=ray_address)
+        out.append({**f, "heldout": objective_value(ev, setup.objective), "heldout_feasible": served_ok(ev),
                     "placement": p})
     return out
 
