@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from lora_opt.evaluate import Criterion, served_ok
-from lora_opt.search import SearchSetup, Traffic, hypervolume, objective_value, replay, replay_front, run_search
+from lora_opt.search import (SearchSetup, Traffic, hypervolume, nondominated, objective_value, replay, replay_front,
+                             run_search)
 
 METHODS = ("greedy-plus", "greedy", "search")
 
@@ -34,11 +35,7 @@ def _replay(p, wl, traffic: Traffic, criterion, objective, workers, ray_address)
 
 def pareto_points(points: list[dict]) -> list[dict]:
     """Feasible points no other feasible point dominates, by GPUs then latency."""
-    front = []
-    for p in sorted((p for p in points if p["feasible"]), key=lambda p: (p["gpus"], p["latency_ms"])):
-        if not any(f["gpus"] <= p["gpus"] and f["latency_ms"] <= p["latency_ms"] for f in front):
-            front.append(p)
-    return front
+    return nondominated([p for p in points if p["feasible"]], lambda p: (p["gpus"], p["latency_ms"]))
 
 
 def run_pareto(wl, pool: int, ctx, *, criteria: list[Criterion], search_traffic: Traffic, eval_traffic: Traffic,

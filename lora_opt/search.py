@@ -287,17 +287,25 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
                         resumed_stale)
 
 
+def nondominated(items, objectives) -> list:
+    """The items no other item weakly dominates on the two minimised ``objectives(item)``, in order
+    of those objectives (ties keep the input order)."""
+    front, kept = [], []
+    for it in sorted(items, key=objectives):
+        v = objectives(it)
+        if not any(k[0] <= v[0] and k[1] <= v[1] for k in kept):
+            front.append(it)
+            kept.append(v)
+    return front
+
+
 def pareto_front(trials) -> list:
     """Feasible complete trials no other feasible trial dominates (ties: lowest number)."""
     from optuna.trial import TrialState
 
-    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.values is not None
-          and all(c <= 0 for c in t.user_attrs.get("constraints", [1.0]))]
-    front = []
-    for t in sorted(ok, key=lambda t: (t.values[0], t.values[1], t.number)):
-        if not any(f.values[0] <= t.values[0] and f.values[1] <= t.values[1] for f in front):
-            front.append(t)
-    return front
+    ok = [t for t in sorted(trials, key=lambda t: t.number) if t.state == TrialState.COMPLETE
+          and t.values is not None and all(c <= 0 for c in t.user_attrs.get("constraints", [1.0]))]
+    return nondominated(ok, lambda t: (t.values[0], t.values[1]))
 
 
 def hypervolume(points, ref) -> float:
