@@ -229,11 +229,15 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.perf_counter()
     storage = storage or "sqlite:///lora-opt-search.db"
+    # readers of a running study (optuna-dashboard, a second `search`) hold SQLite locks: wait for
+    # them rather than fail on sqlite3's 5 s default
+    rdb = (optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
+           if storage.startswith("sqlite:") else storage)
     study_name = study_name or f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
     with warnings.catch_warnings():       # multivariate/group and metric names are "experimental"
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=10)
-        study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
+        study = optuna.create_study(study_name=study_name, storage=rdb, sampler=sampler,
                                     directions=["minimize", "minimize"], load_if_exists=True)
         study.set_metric_names(["gpus", setup.objective])
     stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))

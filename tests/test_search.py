@@ -101,7 +101,8 @@ def test_resume_after_kill(tmp_path):
     db = f"sqlite:///{tmp_path}/k.db"
     cmd = [sys.executable, "-m", "lora_opt.cli", "search", "--workload", str(wfile), "--gpus", "3", "--trials", "10",
            "--workers", "1", "--storage", db, "--study", "k", "--out", str(tmp_path / "o"), "--no-seeds"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = open(tmp_path / "search.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 240
     done = 0
     while time.time() < deadline:
@@ -115,7 +116,8 @@ def test_resume_after_kill(tmp_path):
             break
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert done >= 2
+    log.close()
+    assert done >= 2, (tmp_path / "search.log").read_text()[-3000:]
     kept = {t.number for t in optuna.load_study(study_name="k", storage=db).trials
             if t.state == optuna.trial.TrialState.COMPLETE}
     assert subprocess.run(cmd, capture_output=True).returncode == 0
