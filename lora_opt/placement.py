@@ -55,6 +55,11 @@ class GPUConfig:
     max_model_len: int
     """``--max-model-len`` (explicit, so start-up never depends on the model's default)."""
 
+    def startup_check(self, profile: Profile) -> tuple[bool, int, str]:
+        """(starts, KV tokens, reason) of this instance by the profile's memory model."""
+        return profile.startup_check(self.max_loras, self.max_lora_rank, self.gpu_memory_utilization,
+                                     self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs)
+
 
 @dataclass
 class Placement:
@@ -149,8 +154,7 @@ def placement_problems(p: Placement, profile: Profile, *, include_startup: bool 
                             f"{g.max_num_seqs} (vLLM refuses it)")
         if not include_startup:
             continue
-        starts, kv, reason = profile.startup_check(g.max_loras, g.max_lora_rank, g.gpu_memory_utilization,
-                                                   g.max_num_batched_tokens, g.max_model_len, g.max_num_seqs)
+        starts, kv, reason = g.startup_check(profile)
         if not starts:
             problems.append(f"GPU {i}: vLLM would not start: {reason}")
     return problems

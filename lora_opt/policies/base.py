@@ -165,10 +165,4 @@ class PlacementPolicy:
 
 def startup_failures(p: Placement, profile: Profile) -> list[int]:
     """GPUs whose vLLM instance would not start (an OOM at start-up is a result, not an error)."""
-    out = []
-    for i, g in enumerate(p.gpus):
-        starts, _, _ = profile.startup_check(g.max_loras, g.max_lora_rank, g.gpu_memory_utilization,
-                                             g.max_num_batched_tokens, g.max_model_len, g.max_num_seqs)
-        if not starts:
-            out.append(i)
-    return out
+    return [i for i, g in enumerate(p.gpus) if not g.startup_check(profile)[0]]
