@@ -158,6 +158,20 @@ def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: b
     return None
 
 
+def _unserved(status: str, T: float, incoming: float, starving: bool, kv_tokens, stopped_early_s, reason: str,
+              arrived: int, t_wall: float, eng: dict) -> Result:
+    """The result of a run in which nothing is served: an OOM at start-up, or starvation certain
+    before the first step."""
+    null = {"mean": None, "median": None, "p99": None}
+    return Result(
+        status=status, duration_s=T, completed=0, total_input_tokens=0, total_output_tokens=0,
+        throughput_tok_s=0.0, input_throughput=0.0, output_throughput=0.0, incoming_token_rate=incoming,
+        starving=starving, ttft_ms=null, itl_ms=null, tpot_ms=null, running_mean=0.0, waiting_mean=0.0,
+        preemptions=0, adapter_loads_cpu=0, adapter_loads_disk=0, kv_cache_tokens=int(kv_tokens),
+        stopped_early_s=stopped_early_s, oom_reason=reason, arrived=arrived,
+        wall_s=time.perf_counter() - t_wall, engine=eng)
+
+
 def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool = False,
              requests: Requests | None = None, check_invariants: bool = False,
              fast_forward: bool = True) -> Result:
@@ -175,18 +189,12 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
             f"{eng['max_model_len']}; vLLM {profile.vllm_version} without chunked prefill requires "
             "max_num_batched_tokens >= max_model_len")
     T = sc.duration_s
-    null = {"mean": None, "median": None, "p99": None}
     if requests is None and sc.early_stop:
         certain = _certain_without_replay(sc, profile, eng, starts)
         if certain is not None:        # starvation (or OOM) certain before a request is drawn
             n_req, tokens = certain
-            return Result(
-                status="ok" if starts else "oom", duration_s=T, completed=0, total_input_tokens=0,
-                total_output_tokens=0, throughput_tok_s=0.0, input_throughput=0.0, output_throughput=0.0,
-                incoming_token_rate=tokens / T, starving=True, ttft_ms=null, itl_ms=null, tpot_ms=null,
-                running_mean=0.0, waiting_mean=0.0, preemptions=0, adapter_loads_cpu=0, adapter_loads_disk=0,
-                kv_cache_tokens=int(kv_tokens), stopped_early_s=0.0 if starts else None,
-                oom_reason=reason, arrived=n_req, wall_s=time.perf_counter() - t_wall, engine=eng)
+            return _unserved("ok" if starts else "oom", T, tokens / T, True, kv_tokens,
+                             0.0 if starts else None, reason, n_req, t_wall, eng)
     req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
     if len(req) and int((req.in_len + req.out_len).max()) > eng["max_model_len"]:
         raise ScenarioError(f"requests: a request of {int((req.in_len + req.out_len).max())} tokens exceeds "
@@ -194,13 +202,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     arrived_tokens = int((req.in_len + req.out_len).sum())
     incoming = arrived_tokens / T
     if not starts:
-        return Result(
-            status="oom", duration_s=T, completed=0, total_input_tokens=0, total_output_tokens=0,
-            throughput_tok_s=0.0, input_throughput=0.0, output_throughput=0.0,
-            incoming_token_rate=incoming, starving=incoming > 0, ttft_ms=null, itl_ms=null,
-            tpot_ms=null, running_mean=0.0, waiting_mean=0.0, preemptions=0, adapter_loads_cpu=0,
-            adapter_loads_disk=0, kv_cache_tokens=int(kv_tokens), stopped_early_s=None,
-            oom_reason=reason, arrived=len(req), wall_s=time.perf_counter() - t_wall, engine=eng)
+        return _unserved("oom", T, incoming, incoming > 0, kv_tokens, None, reason, len(req), t_wall, eng)
 
     _, ranks, _ = sc.adapter_table()
     ranks = np.asarray(ranks)
