@@ -20,9 +20,8 @@ from typing import Any
 
 from lora_opt.placement import Adapter
 from twin.errors import ScenarioError
-from twin.profile import VLLM_LORA_RANKS
-from twin.scenario import (ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, read_config_file,
-                           scenario_from_dict)
+from twin.scenario import (ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, check_rank,
+                           read_config_file, scenario_from_dict)
 
 
 @dataclass(frozen=True)
@@ -101,9 +100,7 @@ def _parse_adapter_entry(i: int, entry: Any, where: str) -> list[Adapter]:
         if req not in entry:
             raise ScenarioError(f"{w}.{req}: required")
     rank = _check_type(entry["rank"], "int", f"{w}.rank")
-    if not 1 <= rank <= max(VLLM_LORA_RANKS):
-        raise ScenarioError(f"{w}.rank: {rank} outside 1..{max(VLLM_LORA_RANKS)} "
-                            f"(vLLM's max_lora_rank values: {list(VLLM_LORA_RANKS)})")
+    check_rank(rank, f"{w}.rank")
     rate = _check_type(entry["rate"], "float", f"{w}.rate")
     if rate < 0:
         raise ScenarioError(f"{w}.rate: must be >= 0 requests/s, got {rate}")

@@ -244,6 +244,13 @@ def _positive(value, where, strict=True):
         raise ScenarioError(f"{where}: must be {'> 0' if strict else '>= 0'}, got {value}")
 
 
+def check_rank(rank: int, where: str) -> None:
+    """A LoRA rank vLLM can serve: 1..the largest ``--max-lora-rank`` value."""
+    if not 1 <= rank <= max(VLLM_LORA_RANKS):
+        raise ScenarioError(f"{where}: {rank} outside 1..{max(VLLM_LORA_RANKS)} "
+                            f"(vLLM's max_lora_rank values: {list(VLLM_LORA_RANKS)})")
+
+
 def _parse_adapters(value, where) -> tuple[AdapterGroup, ...]:
     if not isinstance(value, list) or not value:
         raise ScenarioError(f"{where}: at least one adapter group is required "
@@ -253,9 +260,7 @@ def _parse_adapters(value, where) -> tuple[AdapterGroup, ...]:
         w = f"{where}[{i}]"
         if g.count < 1:
             raise ScenarioError(f"{w}.count: must be >= 1, got {g.count}")
-        if not 1 <= g.rank <= max(VLLM_LORA_RANKS):
-            raise ScenarioError(f"{w}.rank: {g.rank} outside 1..{max(VLLM_LORA_RANKS)} "
-                                f"(vLLM's max_lora_rank values: {list(VLLM_LORA_RANKS)})")
+        check_rank(g.rank, f"{w}.rank")
         if g.rate is not None and g.rate <= 0:
             raise ScenarioError(f"{w}.rate: must be > 0 requests/s, got {g.rate}")
         if g.id is not None and g.count != 1:
