@@ -215,6 +215,26 @@ def seed_placements(setup: SearchSetup, ctx: PlacementContext, rhos=(0.7, 0.8, 0
     return out
 
 
+def open_storage(storage: str, attempts: int = 5):
+    """Optuna storage for `storage`. SQLite: readers of a running study (optuna-dashboard, a
+    second `search`, a poller) hold locks, so wait up to 60 s for them rather than fail on
+    sqlite3's 5 s default; and two processes opening the same *new* file both try to create its
+    schema (one fails with a UNIQUE/"already exists" error), so retry: the loser then finds the
+    schema made."""
+    import optuna
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    if not storage.startswith("sqlite:"):
+        return storage
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
+        except (IntegrityError, OperationalError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
 def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, trials: int = 64,
                storage: str | None = None, study_name: str | None = None, seed: int = 0,
                workers: int | None = None, ray_address: str | None = None, timeout_s: float | None = 600.0,
@@ -229,10 +249,7 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.perf_counter()
     storage = storage or "sqlite:///lora-opt-search.db"
-    # readers of a running study (optuna-dashboard, a second `search`) hold SQLite locks: wait for
-    # them rather than fail on sqlite3's 5 s default
-    rdb = (optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
-           if storage.startswith("sqlite:") else storage)
+    rdb = open_storage(storage)
     study_name = study_name or f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
     with warnings.catch_warnings():       # multivariate/group and metric names are "experimental"
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
