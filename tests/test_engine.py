@@ -27,7 +27,11 @@ scenarios = st.fixed_dictionaries({
 
 
 def _build(p):
-    return scenario_from_dict({
+    return scenario_from_dict(_build_dict(p))
+
+
+def _build_dict(p):
+    return {
         "profile": p["profile"],
         "engine": {"max_loras": p["max_loras"], "max_cpu_loras": p["max_loras"] + p["cpu_extra"],
                    "max_lora_rank": 32, "max_num_seqs": p["max_num_seqs"],
@@ -38,7 +42,7 @@ def _build(p):
         "arrivals": {"process": p["process"]},
         "lengths": {"source": p["lengths"]},
         "duration_s": 40, "seed": p["seed"], "client": p["client"],
-    })
+    }
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,6 +69,52 @@ def test_finished_requests_produced_exactly_their_tokens(p):
     if res.completed == res.arrived:
         assert res.total_output_tokens == int(req.out_len.sum())
         assert res.total_input_tokens == int(req.in_len.sum())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios, st.floats(1.0, 40.0))
+def test_least_work_bounds_the_engine_time_of_finished_requests(p, load_x):
+    """The early stop's work bound is a lower bound: the least work (twin.simulate.least_work_s)
+    of the requests finished by T never exceeds T (their steps all ran before T), however
+    overloaded the engine (rates scaled by load_x)."""
+    from twin.simulate import least_work_s
+    p = {**p, "groups": [(c, r, q * load_x) for c, r, q in p["groups"]]}
+    sc = _build(p)
+    prof = sc.load_profile()
+    eng = sc.resolved_engine(prof)
+    req = generate_requests(sc, eng["max_model_len"])
+    res = twin.simulate(sc, requests=req)
+    work = least_work_s(prof.latency, eng, req.in_len, req.out_len)
+    assert work is not None and np.all(work > 0)
+    assert work[res.samples["done"]].sum() <= sc.duration_s
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios, st.floats(1.0, 40.0))
+def test_early_stop_never_changes_the_starvation_verdict(p, load_x):
+    """With early stop on, a run stops only when starvation is certain: same verdict as the full
+    run; a run that does not stop is the full run, bit for bit."""
+    p = {**p, "groups": [(c, r, q * load_x) for c, r, q in p["groups"]]}
+    full = twin.simulate(_build(p))
+    stop = twin.simulate(scenario_from_dict({**_build_dict(p), "early_stop": True}))
+    assert stop.starving == full.starving
+    if stop.stopped_early_s is None:
+        assert str(stop.to_dict()) == str(full.to_dict())
+
+
+def test_work_bound_stops_earlier_than_the_token_cap_alone(monkeypatch):
+    """An overloaded run (~3x what the engine serves): the per-request work bound certifies
+    starvation well before the token-rate cap alone (cheapest full prefill step) does."""
+    import importlib
+    simulate_mod = importlib.import_module("twin.simulate")
+    over = small_scenario(adapters=[{"count": 8, "rank": 16, "rate": 5.0}], duration_s=900, early_stop=True,
+                          engine={"max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_loras": 8})
+    both = twin.simulate(scenario_from_dict(over))
+    monkeypatch.setattr(simulate_mod, "work_buckets", lambda lat, eng, i, o: (
+        np.zeros(len(i), np.int32), np.zeros(len(i)), np.zeros(0), np.zeros(0, np.int64), np.zeros(0)))
+    cap_only = twin.simulate(scenario_from_dict(over))
+    assert both.starving and cap_only.starving
+    assert both.stopped_early_s < 0.7 * cap_only.stopped_early_s
 
 
 def test_same_seed_same_result_and_seed_matters():

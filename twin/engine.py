@@ -189,6 +189,8 @@ def run_engine(
     sched_base_ms, sched_per_running_ms, sched_per_waiting_ms,
     # early stop of certain starvation (disabled when stop_target <= 0)
     stop_target, stop_cap_tok_s, stop_token_factor, kv_tokens,
+    # ... and its per-request work bound (see twin.simulate.work_buckets; empty = unused)
+    req_bucket, req_cost_s, bucket_cost_s, bucket_tokens, bucket_ratio,
     # time series
     ts_interval,
     # verify the invariants at every step (tests); raises AssertionError
@@ -259,6 +261,12 @@ def run_engine(
     n_finished = 0
     stopped_at = -1.0
     next_stop_check = 0.0
+    # requests ever scheduled, and the tokens of those not finished (the work bound's credit)
+    started = np.zeros(n_req, np.int8)
+    inflight_tokens = 0
+    pool_cost = bucket_cost_s.copy()
+    pool_tokens = bucket_tokens.copy()
+    n_buckets = bucket_cost_s.shape[0]
     blocks_at = np.zeros(block_size, np.int64)
     running_area = 0.0
     waiting_area = 0.0
@@ -318,6 +326,23 @@ def run_engine(
         if stop_target > 0.0 and t >= next_stop_check:
             next_stop_check = t + 10.0
             bound = completed_tokens + stop_token_factor * (kv_tokens + stop_cap_tok_s * (duration - t))
+            if n_buckets > 0:
+                # every request not yet started could at best be finished by T using its least
+                # work (buckets in decreasing tokens-per-second order, fractional knapsack); the
+                # started ones are credited in full
+                budget_s = duration - t
+                future = 0.0
+                for b in range(n_buckets):
+                    if budget_s <= 0.0:
+                        break
+                    c = max(pool_cost[b], 0.0)
+                    if c <= budget_s:
+                        future += pool_tokens[b]
+                        budget_s -= c
+                    else:
+                        future += budget_s * bucket_ratio[b]
+                        budget_s = 0.0
+                bound = min(bound, completed_tokens + inflight_tokens + future)
             if bound < stop_target:
                 stopped_at = t
                 break
@@ -441,6 +466,12 @@ def run_engine(
                         if gated:
                             k2 += 1
                         admitted += 1
+                        if n_buckets > 0 and not started[r]:
+                            started[r] = 1
+                            b = req_bucket[r]
+                            pool_cost[b] -= req_cost_s[r]
+                            pool_tokens[b] -= in_len[r] + out_len[r]
+                            inflight_tokens += in_len[r] + out_len[r]
                         # unlink from both waiting lists
                         ghead, gtail = _unlink(r, gprev, gnext, ghead, gtail)
                         ahead[a], atail[a] = _unlink(r, aprev, anext, ahead[a], atail[a])
@@ -548,6 +579,8 @@ def run_engine(
                     held[r] = 0
                     if t_end <= duration:
                         completed_tokens += in_len[r] + out_len[r]
+                    if n_buckets > 0:
+                        inflight_tokens -= in_len[r] + out_len[r]
         if regular > 0:
             step_dur = _grow(step_dur, n_steps_rec)
             step_cnt = _grow(step_cnt, n_steps_rec)

@@ -119,6 +119,61 @@ def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank:
     return n / ((lat.sched_base_ms + cheapest) / 1000.0)
 
 
+#: buckets of the early stop's work bound (geometric in tokens per second of least work)
+WORK_BUCKETS = 128
+
+
+def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
+    """Least engine time (s) any schedule spends on each request under the profile's step model,
+    or None when a negative coefficient makes a lower bound from it unsafe.  Every step runs
+    >= 1 adapter (LoRA factor >= the one-adapter extra e), so a request costs at least: its
+    sequence slots (>= out_len: one prefill chunk, out_len - 1 decodes) and its other tokens at
+    the cheaper of the per-slot and per-token prices; the context its decodes read (the k-th decode
+    reads in_len + k - 1 tokens); and its share of the fixed cost of steps that carry at most
+    max_num_batched_tokens tokens.  Adapter loads, scheduler terms per request and preemptions
+    only add."""
+    lora = lat.lora_for_rank(eng["max_lora_rank"])
+    coefs = (lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lat.sched_base_ms,
+             lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share)
+    if min(coefs) < 0 or not (0.0 <= lora.slot_share <= 1.0):
+        return None
+    e = lora.extra(1, eng["max_loras"])
+    slot = lat.per_seq_ms * (1.0 + e)
+    tok = lat.per_token_ms * (1.0 + lora.prefill_share * e)
+    i = in_len.astype(np.float64)
+    o = out_len.astype(np.float64)
+    dec = o - 1.0
+    processed = i + dec
+    ms = (slot * o + tok * (i - 1.0)) if slot >= tok else slot * processed
+    ms = ms + (1.0 + e) * lat.per_ctx_ktoken_ms / 1000.0 * (dec * i + dec * (dec - 1.0) / 2.0)
+    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms) * processed / eng["max_num_batched_tokens"]
+    return ms / 1000.0
+
+
+def work_buckets(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray):
+    """The early stop's work bound: (bucket of each request, its least work in s, per-bucket sums of
+    least work and tokens, per-bucket highest tokens per second of least work), buckets in
+    decreasing order of that ratio.  Empty arrays when unsafe (see least_work_s)."""
+    n = in_len.shape[0]
+    cost = least_work_s(lat, eng, in_len, out_len) if n else None
+    if cost is None or not np.all(cost > 0):
+        return (np.zeros(n, np.int32), np.zeros(n), np.zeros(0), np.zeros(0, np.int64), np.zeros(0))
+    tokens = (in_len + out_len).astype(np.int64)
+    ratio = tokens / cost
+    lo, hi = float(ratio.min()), float(ratio.max())
+    if hi > lo:
+        pos = np.log(hi / ratio) / np.log(hi / lo) * WORK_BUCKETS      # 0 at the best ratio
+        bucket = np.minimum(pos.astype(np.int64), WORK_BUCKETS - 1)
+    else:
+        bucket = np.zeros(n, np.int64)
+    k = int(bucket.max()) + 1
+    b_cost = np.bincount(bucket, weights=cost, minlength=k)
+    b_tokens = np.bincount(bucket, weights=tokens, minlength=k).round().astype(np.int64)
+    b_ratio = np.zeros(k)
+    np.maximum.at(b_ratio, bucket, ratio)
+    return bucket.astype(np.int32), cost, b_cost, b_tokens, b_ratio
+
+
 #: pre-replay early stop: expected load at least this x what the engine can serve at most ...
 CERTAIN_LOAD_FACTOR = 2.0
 #: ... and at least this many expected Poisson requests (see _certain_without_replay)
@@ -216,8 +271,10 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         factor = float((tok / np.maximum(tok - 1, 1)).max())
         stop_target = sc.rho * arrived_tokens
         cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+        work = work_buckets(profile.latency, eng, req.in_len, req.out_len)
     else:
         factor, stop_target, cap = 1.0, 0.0, 0.0
+        work = work_buckets(profile.latency, eng, req.in_len[:0], req.out_len[:0])
     block = profile.memory.block_size
     out = run_engine(
         req.arrival, req.in_len, req.out_len, req.adapter,
@@ -231,7 +288,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms,
         lora.jump_at(eng["max_loras"]), lora.slope, lora.n_sat, lora.prefill_share,
         lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms,
-        stop_target, cap, factor, kv_tokens,
+        stop_target, cap, factor, kv_tokens, *work,
         sc.timeseries_interval_s, check_invariants, fast_forward,
     )
     (first_t, first_running, finish_t, _dropped, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv,
