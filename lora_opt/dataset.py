@@ -66,6 +66,10 @@ class Grid:
     """Points per shard (one Ray task, one Parquet file)."""
     sample: int | None = None
     """Label only this many points, a seeded uniform sample of the grid (None = every point)."""
+    workloads: int | None = None
+    """Keep every (served, A_max) point of only this many workloads (rank/rate combinations), a
+    seeded sample (None = all) -- the earlier paper's N*/G* model needs each workload's whole
+    (served, A_max) surface, which a uniform point sample leaves with ~2 points per workload."""
     load_band: tuple[float, float] | None = None
     """Keep only points whose expected incoming load (served adapters' rates x 416 tokens) lies in
     [lo, hi] tok/s, before sampling -- to put training points where the uniform grid is thin
@@ -74,6 +78,12 @@ class Grid:
     def points(self) -> list[dict]:
         """The grid's points in a fixed order (point id = index), or the seeded sample of them."""
         out = self._all_points()
+        if self.workloads is not None:
+            import random
+
+            keys = sorted({(tuple(p["ranks"]), tuple(p["rates"])) for p in out})
+            keep_keys = set(random.Random(self.seed).sample(keys, min(self.workloads, len(keys))))
+            out = [p for p in out if (tuple(p["ranks"]), tuple(p["rates"])) in keep_keys]
         if self.load_band is not None:
             from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
             lo, hi = self.load_band
@@ -137,6 +147,9 @@ def load_grid(path: str | Path) -> tuple[str | None, Grid]:
         raise ScenarioError(f"{p}.rates: every rate must be > 0")
     if grid.groups < 1 or grid.shard_size < 1:
         raise ScenarioError(f"{p}: groups and shard_size must be >= 1")
+    if grid.workloads is not None and (isinstance(grid.workloads, bool) or not isinstance(grid.workloads, int)
+                                       or grid.workloads < 1):
+        raise ScenarioError(f"{p}.workloads: must be an integer >= 1 (or omitted for every workload)")
     if grid.sample is not None and grid.sample < 1:
         raise ScenarioError(f"{p}.sample: must be >= 1 (or omitted for the whole grid)")
     return profile, grid

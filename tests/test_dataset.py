@@ -107,3 +107,20 @@ def test_load_band_keeps_points_by_expected_load(tmp_path):
             assert lo <= load <= hi
     with pytest.raises(ScenarioError, match="load_band"):
         ds.load_grid(_grid(tmp_path, load_band=[5, 1]))
+
+
+def test_workload_sample_keeps_whole_workloads(tmp_path):
+    """`workloads: N` keeps every (served, A_max) point of N seeded workloads: what the N*/G*
+    model needs (a uniform point sample leaves ~2 points per workload)."""
+    _, full = ds.load_grid(_grid(tmp_path))
+    _, some = ds.load_grid(_grid(tmp_path, workloads=2))
+    key = lambda p: (tuple(p["ranks"]), tuple(p["rates"]))  # noqa: E731
+    kept = {key(p) for p in some.points()}
+    assert len(kept) == 2
+    assert some.points() == [p for p in full.points() if key(p) in kept]
+    assert some.points() == ds.load_grid(_grid(tmp_path, workloads=2))[1].points()
+    _, bundled = ds.load_grid("workloads")
+    assert len(bundled.points()) == 240 * 66
+    for bad in (0, "all", True):
+        with pytest.raises(ScenarioError, match="workloads"):
+            ds.load_grid(_grid(tmp_path, workloads=bad))
