@@ -102,6 +102,20 @@ def test_early_stop_never_changes_the_starvation_verdict(p, load_x):
         assert str(stop.to_dict()) == str(full.to_dict())
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios, st.floats(1.0, 40.0), st.sampled_from([5.0, 15.0]))
+def test_graced_early_stop_never_fails_a_run_the_graced_verdict_passes(p, load_x, grace):
+    """With stop_grace_s, a run stops only when the requests arriving before T - grace certainly
+    get < rho of their tokens served by T (the judge of evaluate / greedy-plus)."""
+    from lora_opt.evaluate import served_fraction
+    p = {**p, "groups": [(c, r, q * load_x) for c, r, q in p["groups"]]}
+    full = twin.simulate(_build(p))
+    stop = twin.simulate(scenario_from_dict({**_build_dict(p), "early_stop": True}), stop_grace_s=grace)
+    if stop.stopped_early_s is not None:
+        assert served_fraction(full, full.duration_s, grace) < 0.9
+        assert served_fraction(stop, stop.duration_s, grace) < 0.9
+
+
 def test_work_bound_stops_earlier_than_the_token_cap_alone(monkeypatch):
     """An overloaded run (~3x what the engine serves): the per-request work bound certifies
     starvation well before the token-rate cap alone (cheapest full prefill step) does."""

@@ -295,12 +295,17 @@ class GreedyPlus(_GreedyBase):
         from lora_opt.workload import IDLE_RATE
         ads = [wl.adapters[i] for i in idx]
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
+        from lora_opt.evaluate import GRACE_S, Criterion
+        criterion = self.criterion or Criterion(rho=wl.rho)
         f = 1.0 + self.margin
+        # early stop only certifies a served fraction below rho (graced like the judge below); a
+        # latency-only criterion needs the whole run
         spec = {
             "profile": wl.profile, "engine": dataclasses.asdict(cfg),
             "adapters": [{"count": 1, "rank": a.rank, "rate": max(a.rate * f, IDLE_RATE)} for a in ads],
             "arrivals": {"process": "poisson"}, "lengths": dataclasses.asdict(wl.evaluation.lengths),
-            "duration_s": self.verify_s, "rho": wl.rho, "seed": wl.evaluation.seed, "early_stop": True}
+            "duration_s": self.verify_s, "rho": criterion.rho if criterion.rho is not None else wl.rho,
+            "seed": wl.evaluation.seed, "early_stop": criterion.rho is not None}
         requests = None
         if ctx.history is not None:
             h = ctx.history
@@ -311,12 +316,12 @@ class GreedyPlus(_GreedyBase):
                                 adapter=local[h.adapter[sel]].astype(np.int32),
                                 in_len=h.in_len[sel], out_len=h.out_len[sel])
             spec["duration_s"] = ctx.history_s / f
-        res = twin.simulate(scenario_from_dict(spec, "greedy-plus verification"), requests=requests)
+        res = twin.simulate(scenario_from_dict(spec, "greedy-plus verification"), requests=requests,
+                            stop_grace_s=GRACE_S)
         self.twin_calls += 1
         if res.status != "ok":
             return False
-        from lora_opt.evaluate import GRACE_S, Criterion
-        if not (self.criterion or Criterion(rho=wl.rho)).check(res, res.duration_s, GRACE_S)["ok"]:
+        if not criterion.check(res, res.duration_s, GRACE_S)["ok"]:
             return False
         p99 = res.ttft_ms["p99"]
         return self.ttft_p99_s is None or p99 is None or p99 <= self.ttft_p99_s * 1000.0
@@ -409,17 +414,8 @@ class GreedyPlus(_GreedyBase):
                 # the twin is the judge; the surrogate bounds the search and picks A_max.  Where the
                 # surrogate accepts nothing (it is unreliable at very low load, where its training
                 # data is sparse) the twin searches from the full segment with every adapter resident.
-                def verified(n):
-                    r = self._best(oracle, seg, s, n, cap)
-                    if r[0] and self._twin_ok(wl, ctx, order[s:s + n], r[1]):
-                        return r
-                    # the surrogate's A_max fails (or it has none): every adapter resident, as far
-                    # as memory allows, removes the waits for a slot
-                    alt = min(n, mem_cap)
-                    if (not r[0] or alt != r[1]) and self._twin_ok(wl, ctx, order[s:s + n], alt):
-                        return True, alt, None
-                    return False, 0, 0.0
-                found = self._largest(verified, found[0] if found is not None else nmax)
+                found = self._largest(lambda n: self._verified(wl, ctx, oracle, seg, order, s, n, mem_cap),
+                                      found[0] if found is not None else nmax)
             if found is None:
                 unplaceable.append(int(order[s]))
                 s += 1
@@ -447,6 +443,20 @@ class GreedyPlus(_GreedyBase):
             notes.append(f"twin verification: {self.twin_calls} simulations of {what} at {1 + self.margin:g}x load")
         return Assignment(out, sorted(unplaceable), notes)
 
+    def _verified(self, wl, ctx, oracle, seg, order, s: int, n: int, mem_cap: int):
+        """(ok, A_max, predicted throughput or None) for adapters s..s+n-1 of the order on one GPU,
+        the twin deciding: the surrogate's A_max if the surrogate accepts it and the twin agrees;
+        else every adapter resident, as far as memory allows (no waits for a slot)."""
+        if mem_cap <= 0:
+            return False, 0, 0.0
+        r = self._best(oracle, seg, s, n, min(mem_cap, SURROGATE_MAX_ADAPTERS))
+        if r[0] and self._twin_ok(wl, ctx, order[s:s + n], r[1]):
+            return r
+        alt = min(n, mem_cap)
+        if (not r[0] or alt != r[1]) and self._twin_ok(wl, ctx, order[s:s + n], alt):
+            return True, alt, None
+        return False, 0, 0.0
+
     def _balanced(self, K, wl, ctx, oracle, seg, order, mem_caps, ranks, notes):
         """K GPUs with the priority order cut into parts of equal weight (half load, half adapter
         count) instead of full GPUs and a light last one: lower latency, sometimes one GPU fewer.
@@ -463,14 +473,13 @@ class GreedyPlus(_GreedyBase):
             if n < 1 or n > self.max_adapters:
                 return None
             mem_cap = mem_caps[int(ranks[a])]
-            cap = min(mem_cap, SURROGATE_MAX_ADAPTERS)
-            r = self._best(oracle, seg, a, n, cap)
             if self.verify_s > 0:
-                if not r[0]:
-                    r = (True, min(n, mem_cap), None)
-                if not self._twin_ok(wl, ctx, order[a:a + n], r[1]):
+                r = self._verified(wl, ctx, oracle, seg, order, a, n, mem_cap)
+            else:
+                r = self._best(oracle, seg, a, n, min(mem_cap, SURROGATE_MAX_ADAPTERS))
+                if n > SURROGATE_MAX_ADAPTERS:
                     return None
-            elif not r[0] or n > SURROGATE_MAX_ADAPTERS:
+            if not r[0]:
                 return None
             parts.append((a, n, r[1], r[2]))
         notes.append(f"balanced: the order re-cut into {K} parts of equal load and adapter count")
