@@ -127,10 +127,19 @@ def plots(df, out_dir):
     return files
 
 
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def report(df, summary, args, wall_s, out_dir):
     lines = ["# Placement on the Azure traces: 1,280 adapters, a 4-GPU pool, five policies", "",
              f"Reproduce: `python experiments/azure_placement.py{' --quick' if args.quick else ''}"
-             f"{f' --max-model-len {args.max_model_len}' if args.max_model_len else ''}` "
+             f"{f' --max-model-len {args.max_model_len}' if args.max_model_len else ''}"
+             f"{f' --seed {args.seed}' if args.seed else ''}"
+             f"{f' --out {_rel(out_dir)}' if out_dir.resolve() != OUT.resolve() else ''}` "
              f"(loads {args.loads}, seed {args.seed}; {wall_s / 60:.1f} min on this machine).  Profile {PROFILE} "
              "(vLLM 0.8.5 on H100 64 GB), bundled surrogates.", "",
              "Method: requests of the trace spread uniformly over 1,280 adapters; time compressed so the hour "

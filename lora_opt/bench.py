@@ -130,6 +130,20 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
     print(f"1 worker : {r1:6.2f} rows/s   2 workers: {r2:6.2f} rows/s   speed-up {r2 / r1:.2f}x")
     print(f"whole grid, extrapolated: {len(points) / r2 / 3600:.2f} h on 2 workers "
           f"({len(points) / r1 / 3600:.2f} h on 1)")
+    # where the time goes (serial run's per-point wall time)
+    kinds = {"fails to start (OOM)": 0.0, "full hour, not starving": 0.0, "full hour, starving": 0.0,
+             "stopped within 10 s": 0.0, "stopped later": 0.0}
+    counts = dict.fromkeys(kinds, 0)
+    for r in rows1:
+        st = r["stopped_early_s"]
+        kind = ("fails to start (OOM)" if r["status"] == "oom" else
+                ("full hour, starving" if r["starving"] else "full hour, not starving") if st != st else
+                "stopped within 10 s" if st <= 10.0 else "stopped later")
+        kinds[kind] += r["wall_s"]
+        counts[kind] += 1
+    total = sum(kinds.values()) or 1.0
+    for kind, w in kinds.items():
+        print(f"  {kind:<24} {counts[kind]:5d} points  {100 * w / total:5.1f} % of the time")
     return 0
 
 

@@ -61,3 +61,10 @@ def test_bad_scenario_gives_clear_error_not_traceback(tmp_path):
     assert "max_lora_rank" in out.stderr and "Traceback" not in out.stderr
     out = run("simulate", str(tmp_path / "missing.yaml"))
     assert out.returncode == 2 and "not found" in out.stderr
+
+
+def test_bench_dataset_reports_rates_speedup_and_where_the_time_goes():
+    out = run("bench", "dataset", "--grid", "tiny", "--sample", "6")
+    assert out.returncode == 0, out.stderr
+    assert "rows/s" in out.stdout and "speed-up" in out.stdout and "extrapolated" in out.stdout
+    assert "full hour, not starving" in out.stdout and "% of the time" in out.stdout
