@@ -216,7 +216,7 @@ def _criterion(args, rho: float):
 
 def cmd_search(args) -> int:
     from lora_opt.policies import PlacementContext
-    from lora_opt.search import SearchSetup, Traffic, front_table, replay_front, run_search
+    from lora_opt.search import SearchSetup, front_table, replay_front, run_search, traffic_halves
     from lora_opt.workload import load_workload
 
     wl = load_workload(args.workload)
@@ -226,16 +226,8 @@ def cmd_search(args) -> int:
     out = Path(args.out or f"outputs/search-{wl.name}")
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out / 'study.db'}"
-    T = wl.evaluation.duration_s
-    search_traffic, heldout = Traffic(None, T, seed=wl.evaluation.seed + 1), Traffic(None, T, seed=wl.evaluation.seed)
-    ctx_kw: dict = {}
-    if args.history:
-        # the log's first half sets the rates and is searched on; its second half is held out
-        from lora_opt.workload import load_request_log, split_request_log
-        wl, log, span = load_request_log(wl, args.history)
-        wl, first, second, half = split_request_log(wl, log, span)
-        search_traffic, heldout = Traffic(first, half), Traffic(second, span - half)
-        ctx_kw = {"history": first, "history_s": half}
+    # with a log, its first half sets the rates and is searched on; its second half is held out
+    wl, search_traffic, heldout, ctx_kw = traffic_halves(wl, args.history)
     ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
     setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective)
     res = run_search(setup, ctx, search_traffic, trials=args.trials,
@@ -394,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="p99-style TTFT targets, each a criterion with --attainment (default 1000 5000)")
     pa.add_argument("--itl-slos-ms", type=float, nargs="*", default=[100.0], help="ITL targets (default 100)")
     pa.add_argument("--attainment", type=float, default=0.9)
+    pa.add_argument("--history", metavar="LOG.csv",
+                    help="request log (as for place): rates, greedy-plus verification and search traffic from "
+                         "its first half; every point replayed on its second half")
     pa.add_argument("--objective", default="p99_ttft", choices=["p99_ttft", "mean_ttft", "p99_itl", "mean_itl"])
     pa.add_argument("--trials", type=int, default=24, help="search trials per criterion (0 = greedy policies only)")
     pa.add_argument("--ref-latency-ms", type=float, default=60_000.0,

@@ -154,12 +154,17 @@ def run_pareto_cli(args) -> int:
     from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
     from lora_opt.workload import load_workload
 
+    from lora_opt.search import traffic_halves
+
     wl = load_workload(args.workload)
+    criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
+    # with a log: greedy-plus verifies and search searches on its first half (which also sets the
+    # rates every policy sees), every point is replayed on the second
+    wl, search_traffic, eval_traffic, ctx_kw = traffic_halves(wl, getattr(args, "history", None))
     out = Path(args.out or f"outputs/pareto-{wl.name}")
     out.mkdir(parents=True, exist_ok=True)
-    criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
     ctx = PlacementContext.for_workload(wl)
-    T = wl.evaluation.duration_s
+    history_ctx = PlacementContext.for_workload(wl, **ctx_kw) if ctx_kw else None
     import shlex
     import sys
     command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
@@ -167,8 +172,8 @@ def run_pareto_cli(args) -> int:
         import mlflow
         mlflow.log_params({"workload": wl.name, "pool": args.gpus, "objective": args.objective,
                            "trials_per_criterion": args.trials, "criteria": "; ".join(c.label for c in criteria)})
-        res = run_pareto(wl, args.gpus, ctx, criteria=criteria, search_traffic=Traffic(None, T, wl.evaluation.seed + 1),
-                         eval_traffic=Traffic(None, T, wl.evaluation.seed), objective=args.objective,
+        res = run_pareto(wl, args.gpus, ctx, criteria=criteria, search_traffic=search_traffic,
+                         eval_traffic=eval_traffic, objective=args.objective, history_ctx=history_ctx,
                          trials=args.trials, storage_dir=out, workers=args.workers, ray_address=args.ray_address,
                          ref_latency_ms=args.ref_latency_ms)
         write_outputs(res, out, f"Pareto fronts: {wl.name}", command)

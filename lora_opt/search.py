@@ -65,6 +65,20 @@ class Traffic:
     seed: int = 0
 
 
+def traffic_halves(wl: Workload, log_path: str | None):
+    """(workload, traffic to search / place on, held-out traffic, PlacementContext keywords).
+    Without a log: the workload's evaluation traffic, drawn with two seeds.  With a request log
+    (as for ``place --history``): rates from its first half, which is also the traffic placements
+    are searched and verified on; its second half is held out."""
+    T = wl.evaluation.duration_s
+    if not log_path:
+        return wl, Traffic(None, T, seed=wl.evaluation.seed + 1), Traffic(None, T, seed=wl.evaluation.seed), {}
+    from lora_opt.workload import load_request_log, split_request_log
+    wl, log, span = load_request_log(wl, log_path)
+    wl, first, second, half = split_request_log(wl, log, span)
+    return wl, Traffic(first, half), Traffic(second, span - half), {"history": first, "history_s": half}
+
+
 def replay(p: Placement, wl: Workload, traffic: Traffic, *, criterion: Criterion, grace_s: float = GRACE_S,
            workers: int | None = 1, ray_address: str | None = None) -> dict:
     """``evaluate_placement`` on ``traffic`` -- its requests, or the workload's evaluation traffic

@@ -152,6 +152,36 @@ def test_criterion_validation():
         Criterion(ttft_ms=100.0, attainment=1.5)
 
 
+def _request_log(tmp_path):
+    """A request log over TINY's adapters: 1,500 requests in 240 s."""
+    ids = [f"s-{i}" for i in range(14)] + [f"m-{i}" for i in range(10)]
+    rng = np.random.default_rng(0)
+    t = np.sort(rng.uniform(0, 240, 1500))
+    log = tmp_path / "log.csv"
+    log.write_text("timestamp_s,adapter,input_tokens,output_tokens\n"
+                   + "\n".join(f"{x:.3f},{rng.choice(ids)},{rng.integers(20, 300)},{rng.integers(20, 200)}" for x in t))
+    return log
+
+
+def test_pareto_cli_on_a_request_log(tmp_path, capsys):
+    """pareto --history: rates and greedy-plus / search traffic from the log's first half, every
+    point replayed on its second half (120 s)."""
+    import json
+
+    import yaml
+
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "p"
+    rc = main(["pareto", "--workload", str(wfile), "--gpus", "2", "--rhos", "0.8", "--ttft-slos-ms",
+               "--itl-slos-ms", "--trials", "2", "--workers", "1", "--out", str(out),
+               "--history", str(_request_log(tmp_path))])
+    assert rc == 0 and "hypervolume" in capsys.readouterr().out
+    res = json.loads((out / "pareto.json").read_text())
+    assert set(res["hypervolume"]) == {"greedy-plus", "greedy", "search"}
+
+
 def test_pareto_cli_end_to_end(tmp_path, capsys):
     import json
 
@@ -186,18 +216,12 @@ def test_task_pool_times_out_and_reports_exceptions():
 
 
 def test_search_cli_on_a_request_log(tmp_path, capsys):
-    import numpy as np
     import yaml
 
     from lora_opt.cli import main
     wfile = tmp_path / "w.yaml"
     wfile.write_text(yaml.safe_dump(TINY))
-    ids = [f"s-{i}" for i in range(14)] + [f"m-{i}" for i in range(10)]
-    rng = np.random.default_rng(0)
-    t = np.sort(rng.uniform(0, 240, 1500))
-    log = tmp_path / "log.csv"
-    log.write_text("timestamp_s,adapter,input_tokens,output_tokens\n"
-                   + "\n".join(f"{x:.3f},{rng.choice(ids)},{rng.integers(20, 300)},{rng.integers(20, 200)}" for x in t))
+    log = _request_log(tmp_path)
     rc = main(["search", "--workload", str(wfile), "--gpus", "2", "--trials", "3", "--workers", "1",
                "--out", str(tmp_path / "o"), "--history", str(log), "--no-seeds"])
     assert rc == 0 and "Pareto front" in capsys.readouterr().out
