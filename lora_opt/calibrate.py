@@ -1052,7 +1052,7 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
     return prof
 
 
-E2E_LATENCY_KEYS = ("ttft_frontend_ms", "ttft_frontend_per_running_ms")
+E2E_LATENCY_KEYS = ("ttft_frontend_ms", "ttft_frontend_per_running_ms", "sched_base_ms")   # V0: step overhead
 E2E_LORA_KEYS = ("slot_share", "prefill_share")
 
 
@@ -1069,7 +1069,7 @@ def _carry_e2e(prof: dict[str, Any], out: Path) -> dict[str, Any]:
 
     p = e2e["params"]
     prof = _with_params(prof, p["slot_share"], p["prefill_share"],
-                        (p["ttft_frontend_ms"], p["ttft_frontend_per_running_ms"]))
+                        (p["ttft_frontend_ms"], p["ttft_frontend_per_running_ms"]), p.get("step_overhead_ms", 0.0))
     prof["fit"]["e2e"] = e2e
     return prof
 

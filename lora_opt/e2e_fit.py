@@ -9,7 +9,10 @@ slope and loading.  Three effects are not in any estimator family:
   decode-only);
 * the front end's share of TTFT (``ttft_frontend_ms`` + ``ttft_frontend_per_running_ms`` x running
   requests): the client measures TTFT through the API server, which streams a chunk per running
-  request per step.
+  request per step;
+* vLLM 0.5.0 (V0) only: a fixed CPU time per step (``sched_base_ms``: scheduling, sampling and
+  output processing in V0's Python engine).  Its decode fit extrapolates large-batch runs to an
+  intercept of ~6 ms, while the fit half's real runs decode at ~14.5 ms with 1-3 requests running.
 
 They are fitted on the **fit half** of the end-to-end workloads (below) and the fidelity report is
 given on the **report half** (and, marked as such, on all runs).  The search is a small coordinate
@@ -40,6 +43,8 @@ FIT_HALF = {
     "llama-2-7b": "_rate_0.0125",
 }
 SLOT_SHARE_GRID = (0.0, 0.2, 0.35, 0.5, 0.65, 0.8, 1.0)
+#: V0 per-step CPU time searched (ms); V1 profiles keep 0 (their ITL fits contain it)
+STEP_OVERHEAD_GRID = (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0)
 PREFILL_SHARE_GRID = (0.0, 0.25, 0.5, 1.0)
 
 
@@ -57,13 +62,14 @@ def observed_inflight_cap(rows) -> int:
 
 
 def _with_params(profile: dict, slot_share: float, prefill_share: float,
-                 frontend: tuple[float, float] = (0.0, 0.0)) -> dict:
+                 frontend: tuple[float, float] = (0.0, 0.0), step_overhead_ms: float = 0.0) -> dict:
     p = copy.deepcopy(profile)
     for spec in p["latency"]["lora"].values():
         spec["slot_share"] = float(slot_share)
         spec["prefill_share"] = float(prefill_share)
     p["latency"]["ttft_frontend_ms"] = float(frontend[0])
     p["latency"]["ttft_frontend_per_running_ms"] = float(frontend[1])
+    p["latency"]["sched_base_ms"] = float(step_overhead_ms)
     return p
 
 
@@ -120,23 +126,34 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
     tmp = Path(tmp or tempfile.mkdtemp(prefix="lora_opt_e2e_"))
     trace = []
 
-    def evaluate(s, pf):
-        res = _replay(fit_rows, _with_params(base, s, pf), tmp, workers)
+    def evaluate(s, pf, so):
+        res = _replay(fit_rows, _with_params(base, s, pf, step_overhead_ms=so), tmp, workers)
         obj = _objective(fit_rows, res)
-        trace.append({"slot_share": s, "prefill_share": pf, **obj})
-        log(f"  {model}: slot_share {s:.2f} prefill_share {pf:.2f} -> throughput {obj['throughput_smape']:.1f} %, "
-            f"ITL {obj['itl_mean_smape']:.1f} %")
+        trace.append({"slot_share": s, "prefill_share": pf, "step_overhead_ms": so, **obj})
+        log(f"  {model}: slot_share {s:.2f} prefill_share {pf:.2f} step overhead {so:g} ms -> throughput "
+            f"{obj['throughput_smape']:.1f} %, ITL {obj['itl_mean_smape']:.1f} %")
         return obj["loss"], res
 
-    # coordinate search: slot_share at prefill_share 0, then prefill_share at the best slot_share
+    # coordinate search: (V0) the step overhead at the profile's shares, slot_share at prefill_share
+    # 0, then prefill_share at the best slot_share
+    v0 = base.get("chunked_prefill") is False
+    best_so = 0.0
+    if v0:
+        s0 = float(next(iter(base["latency"]["lora"].values())).get("slot_share", 0.0))
+        pf0 = float(next(iter(base["latency"]["lora"].values())).get("prefill_share", 1.0))
+        best = np.inf
+        for so in STEP_OVERHEAD_GRID:
+            loss, _ = evaluate(s0, pf0, so)
+            if loss < best:
+                best_so, best = so, loss
     best_s, best_loss, best_res = None, np.inf, None
     for s in SLOT_SHARE_GRID:
-        loss, res = evaluate(s, 0.0)
+        loss, res = evaluate(s, 0.0, best_so)
         if loss < best_loss:
             best_s, best_loss, best_res = s, loss, res
     best_pf = 0.0
     for pf in PREFILL_SHARE_GRID[1:]:
-        loss, res = evaluate(best_s, pf)
+        loss, res = evaluate(best_s, pf, best_so)
         if loss < best_loss:
             best_pf, best_loss, best_res = pf, loss, res
     frontend = fit_frontend(fit_rows, best_res)
@@ -144,13 +161,13 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         "command": f"lora-opt calibrate-e2e --model {model}",
         "fit_half": FIT_HALF[model], "fit_runs": int(len(fit_rows)), "report_runs": int(len(report_rows)),
         "params": {"slot_share": best_s, "prefill_share": best_pf, "ttft_frontend_ms": frontend[0],
-                   "ttft_frontend_per_running_ms": frontend[1]},
+                   "ttft_frontend_per_running_ms": frontend[1], "step_overhead_ms": best_so},
         "objective": "mean of throughput and mean-ITL SMAPE on the fit half",
         "fit_half_loss": best_loss, "search": trace,
         "observed_inflight_cap_fit_half": observed_inflight_cap(fit_rows),
         "wall_s": time.perf_counter() - t0,
     }
-    out = _with_params(base, best_s, best_pf, frontend)
+    out = _with_params(base, best_s, best_pf, frontend, best_so)
     out.setdefault("fit", {})["e2e"] = record
     prof_path.write_text(header + yaml.safe_dump(out, sort_keys=False, width=110))
     return record

@@ -225,7 +225,8 @@ def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) ->
     lines = ["# Twin fidelity against real vLLM runs", "",
              "**Fit half / report half.** The profiles' estimators are fitted on the estimator families "
              "only. Four constants that no estimator family identifies (LoRA slot share, LoRA prefill "
-             "share, front-end TTFT terms) are fitted by `lora-opt calibrate-e2e` on the *fit half* of "
+             "share, front-end TTFT terms; for vLLM 0.5.0 also a fixed CPU time per step) are fitted by "
+             "`lora-opt calibrate-e2e` on the *fit half* of "
              "the end-to-end workloads (Llama-3.1 and Qwen: the rank-16 families; Llama-2: the "
              "rate-0.0125 families). The headline numbers are on the *report half*, which no fit saw.", "",
              f"Command: `{summary['command']}`  ", f"Runs replayed: {summary['n_runs']} "

@@ -59,8 +59,10 @@ def test_calibration_reproduces_bundled_profile(model, calibrated):
         bundled = yaml.safe_load(fh)
     # The end-to-end constants (lora-opt calibrate-e2e) are not estimator fits: compare without them.
     bundled["fit"].pop("e2e", None)
+    prof = {**prof, "latency": dict(prof["latency"])}
     for k in cal.E2E_LATENCY_KEYS:
         bundled["latency"].pop(k, None)
+        prof["latency"].pop(k, None)
     for spec in bundled["latency"]["lora"].values():
         for k in cal.E2E_LORA_KEYS:
             spec.pop(k, None)
@@ -109,6 +111,22 @@ def test_kv_within_2pct_at_every_max_num_seqs(runs):
     """Llama-3.1: every measured KV size, at every max_num_seqs (the sampler term), within 2 %."""
     check = cal.memory_check(runs, load_profile(MODELS["llama-3.1-8b-instruct"]))
     assert check["kv_ok_runs"]["max_abs_rel_error"] <= 0.02
+
+
+def test_recalibrating_keeps_the_end_to_end_constants(tmp_path):
+    """calibrate rewrites the estimator fits and keeps what calibrate-e2e fitted on the fit half
+    (for the vLLM 0.5.0 profile: the V0 per-step CPU time too)."""
+    import shutil
+    out = tmp_path / "llama-2.yaml"
+    shutil.copy(PROFILES_DIR / "llama-2-7b-h100-64gb.yaml", out)
+    bundled = yaml.safe_load(out.read_text())
+    cal.calibrate(RUNS, "llama-2-7b", out)
+    again = yaml.safe_load(out.read_text())
+    assert again["fit"]["e2e"] == bundled["fit"]["e2e"]
+    assert bundled["fit"]["e2e"]["params"]["step_overhead_ms"] > 0
+    for k in cal.E2E_LATENCY_KEYS:
+        assert again["latency"][k] == bundled["latency"][k]
+    assert load_profile(out).latency.sched_base_ms == bundled["fit"]["e2e"]["params"]["step_overhead_ms"]
 
 
 def test_report_is_written(tmp_path):
