@@ -139,8 +139,8 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
     v0 = base.get("chunked_prefill") is False
     best_so = 0.0
     if v0:
-        s0 = float(next(iter(base["latency"]["lora"].values())).get("slot_share", 0.0))
-        pf0 = float(next(iter(base["latency"]["lora"].values())).get("prefill_share", 1.0))
+        lora0 = next(iter(base["latency"]["lora"].values()))     # every rank carries the same shares
+        s0, pf0 = float(lora0.get("slot_share", 0.0)), float(lora0.get("prefill_share", 1.0))
         best = np.inf
         for so in STEP_OVERHEAD_GRID:
             loss, _ = evaluate(s0, pf0, so)

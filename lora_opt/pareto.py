@@ -152,15 +152,14 @@ def write_outputs(result: dict, out: Path, title: str, command: str) -> list[Pat
 def run_pareto_cli(args) -> int:
     from lora_opt.policies import PlacementContext
     from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
-    from lora_opt.workload import load_workload
-
     from lora_opt.search import traffic_halves
+    from lora_opt.workload import load_workload
 
     wl = load_workload(args.workload)
     criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
     # with a log: greedy-plus verifies and search searches on its first half (which also sets the
     # rates every policy sees), every point is replayed on the second
-    wl, search_traffic, eval_traffic, ctx_kw = traffic_halves(wl, getattr(args, "history", None))
+    wl, search_traffic, eval_traffic, ctx_kw = traffic_halves(wl, args.history)
     out = Path(args.out or f"outputs/pareto-{wl.name}")
     out.mkdir(parents=True, exist_ok=True)
     ctx = PlacementContext.for_workload(wl)

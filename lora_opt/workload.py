@@ -205,6 +205,16 @@ def evaluation_scenario(wl: Workload, adapters, engine: dict | None = None) -> d
     }
 
 
+def _rates_from_requests(wl: Workload, adapter, span: float) -> tuple[Adapter, ...]:
+    """The workload's adapters with rate = their requests in ``adapter`` (indices) / ``span`` s."""
+    import dataclasses
+
+    import numpy as np
+
+    counts = np.bincount(adapter, minlength=len(wl.adapters))
+    return tuple(dataclasses.replace(a, rate=float(c) / span) for a, c in zip(wl.adapters, counts))
+
+
 def load_request_log(wl: Workload, path: str | Path):
     """A log of served requests -> (workload with each adapter's rate = its requests / the log's
     span, the log as ``Requests`` in workload adapter order, the span in s).
@@ -254,8 +264,7 @@ def load_request_log(wl: Workload, path: str | Path):
     span = float(t.max()) if t.max() > 0 else 1.0
     adapter = ids.map(index).to_numpy(np.int64)
     order = np.argsort(t, kind="stable")
-    counts = np.bincount(adapter, minlength=len(wl.adapters))
-    adapters = tuple(dataclasses.replace(a, rate=float(c) / span) for a, c in zip(wl.adapters, counts))
+    adapters = _rates_from_requests(wl, adapter, span)
     req = Requests(arrival=np.ascontiguousarray(t[order]), adapter=adapter[order].astype(np.int32),
                    in_len=ins.to_numpy(np.int32)[order], out_len=outs.to_numpy(np.int32)[order])
     meta = {**wl.meta, "rates_from_log": str(p), "log_requests": int(len(df)), "log_span_s": span}
@@ -273,8 +282,7 @@ def split_request_log(wl: Workload, req, span: float):
 
     half = span / 2.0
     first = req.arrival < half
-    counts = np.bincount(req.adapter[first], minlength=len(wl.adapters))
-    adapters = tuple(dataclasses.replace(a, rate=float(c) / half) for a, c in zip(wl.adapters, counts))
+    adapters = _rates_from_requests(wl, req.adapter[first], half)
     pick = (lambda m, shift: Requests(arrival=np.ascontiguousarray(req.arrival[m] - shift), adapter=req.adapter[m],
                                       in_len=req.in_len[m], out_len=req.out_len[m]))
     return dataclasses.replace(wl, adapters=adapters), pick(first, 0.0), pick(~first, half), half

@@ -291,11 +291,11 @@ class GreedyPlus(_GreedyBase):
         from twin.scenario import scenario_from_dict
         from twin.workload import Requests
 
+        from lora_opt.evaluate import GRACE_S, Criterion
         from lora_opt.policies.base import gpu_config
         from lora_opt.workload import IDLE_RATE
         ads = [wl.adapters[i] for i in idx]
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
-        from lora_opt.evaluate import GRACE_S, Criterion
         criterion = self.criterion or Criterion(rho=wl.rho)
         f = 1.0 + self.margin
         # early stop only certifies a served fraction below rho (graced like the judge below); a
@@ -475,10 +475,10 @@ class GreedyPlus(_GreedyBase):
             mem_cap = mem_caps[int(ranks[a])]
             if self.verify_s > 0:
                 r = self._verified(wl, ctx, oracle, seg, order, a, n, mem_cap)
+            elif n > SURROGATE_MAX_ADAPTERS:
+                return None
             else:
                 r = self._best(oracle, seg, a, n, min(mem_cap, SURROGATE_MAX_ADAPTERS))
-                if n > SURROGATE_MAX_ADAPTERS:
-                    return None
             if not r[0]:
                 return None
             parts.append((a, n, r[1], r[2]))
