@@ -734,8 +734,9 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
               seed: int = 0, track: bool = True) -> dict:
     """``lora-opt train``: read the Parquet dataset(s) (one directory or a list, concatenated in
     order), train and choose the surrogates, distill the random forests into one rule tree per
-    head, write ``surrogate.joblib``, ``distilled.json``, ``rules.txt``, ``metrics.json`` (and
-    plots) into ``out_dir``; return the metrics."""
+    head, write ``surrogate.joblib``, ``distilled.json``, ``rules.txt``, ``metrics.json``,
+    ``dataset_summary.json`` (the ``summary.json`` of the dataset(s): rows, hash, grid, profile and
+    twin version) and plots into ``out_dir``; return the metrics."""
     import pandas as pd
 
     from lora_opt import distill
@@ -758,6 +759,10 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     metrics["distilled"] = report
     metrics["dataset"]["dir"] = ", ".join(str(Path(d).resolve()) for d in dirs)
     write_json(out_dir / "metrics.json", metrics)
+    # provenance beside the model: which labelled rows (and which twin) it was trained on
+    sources = [json.loads((Path(d) / "summary.json").read_text()) if (Path(d) / "summary.json").exists()
+               else {"out": str(d)} for d in dirs]
+    write_json(out_dir / "dataset_summary.json", sources[0] if len(sources) == 1 else sources)
     if track:
         _log_distilled(metrics["mlflow"], report, out_dir)
     return metrics

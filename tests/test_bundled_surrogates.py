@@ -25,3 +25,13 @@ def test_bundled_surrogate_answers(path):
         # the light GPU serves what arrives: ~0.8 req/s x 416 tokens
         assert thr[0] == pytest.approx(0.8 * 416, rel=0.25)
         assert np.all((0 <= p_starving) & (p_starving <= 1))
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=[p.name for p in BUNDLED])
+def test_bundled_provenance_is_consistent(path):
+    """dataset_summary.json (written by train) names the rows metrics.json says the model saw."""
+    import json
+    summary = json.loads((path / "dataset_summary.json").read_text())
+    metrics = json.loads((path / "metrics.json").read_text())
+    assert summary["dataset_hash"] == metrics["dataset"]["sha256_16"]
+    assert summary["profile"] == path.name

@@ -177,3 +177,16 @@ def test_train_on_several_datasets_concatenates_them(trained, tmp_path):
     metrics = sg.train_cli([trained["data"], trained["data"]], tmp_path / "two", fast=True, track=False)
     assert metrics["dataset"]["rows"] == 2 * trained["metrics"]["dataset"]["rows"]
     assert metrics["dataset"]["dir"].count(",") == 1
+    # a directory without lora-opt dataset's summary.json is named by its path
+    assert json.loads((tmp_path / "two" / "dataset_summary.json").read_text()) == [{"out": str(trained["data"])}] * 2
+
+
+def test_train_writes_the_dataset_summary_beside_the_model(trained, tmp_path):
+    """The bundled surrogates' provenance file is written by train itself: the dataset's summary.json."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(trained["data"], data)
+    summary = {"out": "outputs/x", "rows": 1, "dataset_hash": ds.dataset_hash(data), "twin_version": ds.twin_version()}
+    (data / "summary.json").write_text(json.dumps(summary))
+    sg.train_cli(data, tmp_path / "out", fast=True, track=False)
+    assert json.loads((tmp_path / "out" / "dataset_summary.json").read_text()) == summary
