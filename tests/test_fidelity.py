@@ -43,3 +43,23 @@ def test_fidelity_unknown_family_is_a_clear_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "lora_opt.cli", "fidelity", "--family", "no-such-family",
                         "--workers", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT)
     assert p.returncode == 2 and "no usable runs" in p.stderr
+
+
+def test_targets_table_gives_both_scales_and_the_comparison():
+    from lora_opt.fidelity import TARGETS, targets_table
+    metrics = {"throughput": (4.2, 8.7), "itl_mean": (15.0, 18.7), "ttft_mean": (24.0, 104.0)}
+    summary = {"smape": {
+        "report half": {},           # overall groups are not in the table
+        "m1, report half": {k: {"sharegpt": ours, "peer": peer} for k, (ours, peer) in metrics.items()},
+        "m1, fit half": {k: {"sharegpt": 0.0, "peer": 0.0} for k in metrics},
+        "m2, report half": {k: {"sharegpt": 1.0, "peer": float("nan")} for k in metrics},
+    }}
+    lines = targets_table(summary, "sharegpt")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert len(rows) == 2 * len(TARGETS)
+    by = {(r[0], r[1]): r for r in rows}
+    # throughput 4.2: above 3 on the full scale, 2.1 <= 3 on the half scale, better than 8.7
+    assert by[("m1", "throughput")][2:] == ["4.2", "2.1", "8.7", "<= 3.0", "no", "yes", "yes"]
+    assert by[("m1", "itl_mean")][6:] == ["no", "no", "yes"]            # 7.5 > 7 on the half scale too
+    assert by[("m1", "ttft_mean")][6:] == ["yes", "yes", "yes"]
+    assert by[("m2", "throughput")][4] == "none" and by[("m2", "throughput")][8] == "-"
