@@ -427,6 +427,51 @@ def fit_max_num_seqs_term(runs: pd.DataFrame, entry: ModelEntry) -> FitResult | 
         plot={"x": seqs, "y": gib, "pred": pred})
 
 
+def fit_max_num_seqs_term_v0(runs: pd.DataFrame, entry: ModelEntry, profile: Profile) -> FitResult | None:
+    """V0 (0.5.0): the same sampler term from the only estimator family run at another
+    ``max_num_seqs`` -- ``performance_analysis/loading_overhead`` (50, one LoRA slot) -- against
+    ``profile``'s memory model, fitted at the memory family's 4096.  Two ``max_num_seqs`` values
+    identify the overhead difference, not the knee: the knee is set at the smaller value (50),
+    so below it the overhead is taken as flat (unknown, and no run below it)."""
+    fam = f"performance_analysis/loading_overhead/latency/{entry.csv_name}/"
+    rows = _family(runs, fam)
+    rows = rows[rows["status"] == "ok"]
+    kv = _measured_kv_tokens(rows)
+    seqs = _num(rows["max_num_seqs"])
+    ok = np.isfinite(kv) & (kv > 0) & np.isfinite(seqs) & (seqs < entry.memory_max_num_seqs)
+    if not ok.any():
+        return None
+    rows, kv, seqs = rows[ok], kv[ok], seqs[ok]
+    knee = float(seqs.min())
+    util = np.where(np.isfinite(_num(rows["gpu_memory_utilization"])), _num(rows["gpu_memory_utilization"]),
+                    profile.defaults.gpu_memory_utilization)
+    mnbt = np.where(np.isfinite(_num(rows["max_num_batched_tokens"])), _num(rows["max_num_batched_tokens"]),
+                    profile.defaults.max_num_batched_tokens)
+    n_loras = np.where(_num(rows["enable_lora"]) == 1, np.nan_to_num(_num(rows["max_loras"]), nan=1.0), 0)
+    ranks = np.nan_to_num(_num(rows["max_lora_rank"]), nan=profile.defaults.max_lora_rank)
+    # KV the memory model (no seqs term) predicts for these configurations; the measured surplus
+    # is overhead the profiling run does not hold at this max_num_seqs
+    pred = np.array([profile.kv_capacity_tokens(int(nl), int(r), float(u), int(mb), enable_lora=nl > 0,
+                                                max_num_seqs=entry.memory_max_num_seqs)
+                     for nl, r, u, mb in zip(n_loras, ranks, util, mnbt)], float)
+    surplus_gib = (kv - pred) * entry.spec.kv_bytes_per_token / GIB
+    delta = float(np.mean(surplus_gib))
+    slope = max(delta, 0.0) * 1000.0 / (entry.memory_max_num_seqs - knee)
+    resid = surplus_gib - delta
+    return FitResult(
+        params={"slope_gib_per_1k_seqs": slope, "knee_seqs": knee}, families=[fam], n=int(len(kv)),
+        r2=None,
+        extra={"overhead_vs_memory_family_gib": delta,
+               "surplus_gib_per_run_sd": float(np.std(resid)),
+               "max_num_seqs_values": sorted({int(x) for x in seqs}),
+               "note": ("two max_num_seqs values (this family's and the memory family's "
+                        f"{entry.memory_max_num_seqs}): slope = mean KV surplus / difference; knee = the "
+                        "smaller value (not identified)")},
+        plot={"x": seqs, "y": surplus_gib, "pred": np.full(len(kv), delta),
+              "label": "measured KV - memory model at the memory family's max_num_seqs",
+              "ylabel": "KV surplus (GiB)"})
+
+
 # =================================================================================================
 # Step time, 0.8.5 (V1: chunked prefill, lockstep synthetic runs)
 # =================================================================================================
@@ -1039,6 +1084,14 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
     prof = _profile_dict(entry, fits, data_path, out)
     prof = _carry_e2e(prof, out)
     profile = profile_from_dict(prof, str(out))  # schema check before anything is written
+    if fits["max_num_seqs_term"] is None and entry.engine == "v0":
+        term = fit_max_num_seqs_term_v0(runs, entry, profile)
+        if term is not None:
+            fits["max_num_seqs_term"] = term
+            prof["memory"]["overhead_gib_per_1k_seqs"] = _sig(term.params["slope_gib_per_1k_seqs"])
+            prof["memory"]["seqs_knee"] = _sig(term.params["knee_seqs"])
+            prof["fit"]["estimators"]["max_num_seqs_term"] = _clean(term.summary())
+            profile = profile_from_dict(prof, str(out))
     check = memory_check(runs, profile, entry.csv_name)
     prof["fit"]["memory_check"] = _clean(_check_summary(check))
     out.parent.mkdir(parents=True, exist_ok=True)

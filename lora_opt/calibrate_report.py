@@ -64,10 +64,10 @@ def plot_max_num_seqs(fit, out: Path) -> str | None:
     p = fit.plot
     fig, a = plt.subplots(figsize=(4.5, 3.2))
     order = np.argsort(p["x"])
-    a.scatter(p["x"], p["y"], s=14, label="measured (no LoRA)")
-    a.plot(p["x"][order], p["pred"][order], lw=1, c="C1", label="hinge fit")
+    a.scatter(p["x"], p["y"], s=14, label=p.get("label", "measured (no LoRA)"))
+    a.plot(p["x"][order], p["pred"][order], lw=1, c="C1", label="fit")
     a.set_xlabel("max_num_seqs")
-    a.set_ylabel("KV cache (GiB)")
+    a.set_ylabel(p.get("ylabel", "KV cache (GiB)"))
     a.legend(fontsize=7)
     return _save(fig, out / "memory_max_num_seqs.png")
 
@@ -175,14 +175,15 @@ def _memory_section(prof, fits, check) -> list[str]:
     term = fits.get("max_num_seqs_term")
     if term is not None:
         t = prof["fit"]["estimators"]["max_num_seqs_term"]
-        lines += ["### max_num_seqs (not in the schema)", "",
-                  f"No-LoRA start-ups of the latency families show the non-KV memory growing by "
+        r2 = f"R^2 {t['r2']}, " if "r2" in t else ""
+        lines += ["### max_num_seqs", "",
+                  f"From `{'`, `'.join(t['families'])}`: the non-KV memory grows by "
                   f"{_fmt(t['params']['slope_gib_per_1k_seqs'])} GiB per 1000 `max_num_seqs` above a knee of "
-                  f"{_fmt(t['params']['knee_seqs'])} (R^2 {t['r2']}, n {t['n_points']}): the profiling run's "
+                  f"{_fmt(t['params']['knee_seqs'])} ({r2}n {t['n_points']}): the profiling run's "
                   "sampler tensors `[max_num_seqs, vocab]`. `non_kv_overhead_gib` is valid at "
-                  f"max_num_seqs {mem['max_num_seqs_of_fit']}; at the engine default 256 the real KV cache "
-                  f"is larger by about {_fmt(t['overhead_vs_memory_family_gib'])} GiB. MemorySpec has no "
-                  "field for this; the owner of `twin/profile.py` may add one (values in `fit`).", "",
+                  f"max_num_seqs {mem['max_num_seqs_of_fit']}; `MemorySpec.overhead_gib_per_1k_seqs` and "
+                  f"`seqs_knee` carry the change ({_fmt(t['overhead_vs_memory_family_gib'])} GiB between "
+                  "the knee and that value)." + (f" {t['note']}." if "note" in t else ""), "",
                   "![max_num_seqs](memory_max_num_seqs.png)", ""]
     lines += ["### Memory check (all real runs of the model, validation families included; check only)", "",
               f"Start-up prediction (`Profile.startup_check`) on {check['n_runs']} runs with status ok/gpu_oom: "
