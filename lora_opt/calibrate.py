@@ -468,7 +468,9 @@ def fit_max_num_seqs_term_v0(runs: pd.DataFrame, entry: ModelEntry, profile: Pro
                         f"{entry.memory_max_num_seqs}): slope = mean KV surplus / difference; knee = the "
                         "smaller value (not identified)")},
         plot={"x": seqs, "y": surplus_gib, "pred": np.full(len(kv), delta),
-              "label": "measured KV - memory model at the memory family's max_num_seqs",
+              "line_x": np.array([0.0, knee, float(entry.memory_max_num_seqs)]),
+              "line_y": np.array([delta, delta, 0.0]),
+              "label": "measured KV - memory model (fitted at the memory family's max_num_seqs)",
               "ylabel": "KV surplus (GiB)"})
 
 

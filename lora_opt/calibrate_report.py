@@ -65,10 +65,13 @@ def plot_max_num_seqs(fit, out: Path) -> str | None:
     fig, a = plt.subplots(figsize=(4.5, 3.2))
     order = np.argsort(p["x"])
     a.scatter(p["x"], p["y"], s=14, label=p.get("label", "measured (no LoRA)"))
-    a.plot(p["x"][order], p["pred"][order], lw=1, c="C1", label="fit")
+    if "line_x" in p:     # a fitted line over a wider range than the points
+        a.plot(p["line_x"], p["line_y"], lw=1, c="C1", label="fit")
+    else:
+        a.plot(p["x"][order], p["pred"][order], lw=1, c="C1", label="fit")
     a.set_xlabel("max_num_seqs")
     a.set_ylabel(p.get("ylabel", "KV cache (GiB)"))
-    a.legend(fontsize=7)
+    a.legend(fontsize=6, loc="upper right")
     return _save(fig, out / "memory_max_num_seqs.png")
 
 
@@ -183,7 +186,7 @@ def _memory_section(prof, fits, check) -> list[str]:
                   "sampler tensors `[max_num_seqs, vocab]`. `non_kv_overhead_gib` is valid at "
                   f"max_num_seqs {mem['max_num_seqs_of_fit']}; `MemorySpec.overhead_gib_per_1k_seqs` and "
                   f"`seqs_knee` carry the change ({_fmt(t['overhead_vs_memory_family_gib'])} GiB between "
-                  "the knee and that value)." + (f" {t['note']}." if "note" in t else ""), "",
+                  "the knee and that value)." + (f" {t['note']}." if "max_num_seqs_values" in t else ""), "",
                   "![max_num_seqs](memory_max_num_seqs.png)", ""]
     lines += ["### Memory check (all real runs of the model, validation families included; check only)", "",
               f"Start-up prediction (`Profile.startup_check`) on {check['n_runs']} runs with status ok/gpu_oom: "
