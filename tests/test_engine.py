@@ -266,7 +266,7 @@ def test_client_cap_of_one_serves_one_request_at_a_time():
 
 
 def test_certain_starvation_stops_before_drawing_requests(small):
-    """Twice the engine's maximum token rate over >= 10k expected Poisson requests: the result
+    """Twice the engine's maximum token rate over 192k expected Poisson requests: the result
     is certain at t = 0 (no request drawn); a full run agrees."""
     import twin
     from twin.scenario import scenario_from_dict
@@ -283,6 +283,33 @@ def test_certain_starvation_stops_before_drawing_requests(small):
     assert full.starving and full.throughput_tok_s < 0.5 * full.incoming_token_rate
     lighter = twin.simulate(scenario_from_dict(small(duration_s=600, early_stop=True)))
     assert lighter.steps > 0                     # below the bound: simulated as before
+
+
+@pytest.mark.parametrize("lengths", [{"source": "sharegpt"}, {"source": "mean", "mean_in": 300, "mean_out": 100}])
+def test_pre_draw_certificate_fires_near_the_cap_and_is_sound(small, lengths):
+    """The compute-free starvation certificate (twin.simulate._certain_without_replay) fires at
+    1.15 x the token-rate cap / rho with tens of thousands of expected requests (not only at 2 x):
+    no request is drawn, and the full replay it spares does starve.  At 1.02 x it does not fire
+    (requests are drawn; the replay's own early stop may still end the run at once)."""
+    import twin
+    from twin.scenario import scenario_from_dict
+    from twin.simulate import max_token_rate
+    base = small(duration_s=300, lengths=lengths, engine={"max_num_seqs": 256, "max_num_batched_tokens": 2048})
+    sc0 = scenario_from_dict(base)
+    prof = sc0.load_profile()
+    eng = sc0.resolved_engine(prof)
+    cap = max_token_rate(prof, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+    mean_tokens = 416.0 if lengths["source"] == "sharegpt" else 400.0
+    for factor, certain in ((1.15, True), (1.02, False)):
+        rate = factor * cap / sc0.rho / mean_tokens / 10              # 10 adapters
+        adapters = [{"count": 10, "rank": 16, "rate": rate}]
+        assert rate * 10 * sc0.duration_s > 20_000
+        stop = twin.simulate(scenario_from_dict({**base, "adapters": adapters, "early_stop": True}))
+        assert (stop.samples is None) == certain, factor          # None: no request was drawn
+        if certain:
+            assert stop.starving and stop.stopped_early_s == 0.0 and stop.steps == 0
+            full = twin.simulate(scenario_from_dict({**base, "adapters": adapters}))
+            assert full.starving and full.throughput_tok_s < sc0.rho * full.incoming_token_rate
 
 
 

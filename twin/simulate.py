@@ -174,33 +174,40 @@ def work_buckets(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray):
     return bucket.astype(np.int32), cost, b_cost, b_tokens, b_ratio
 
 
-#: pre-replay early stop: expected load at least this x what the engine can serve at most ...
-CERTAIN_LOAD_FACTOR = 2.0
-#: ... and at least this many expected Poisson requests (see _certain_without_replay)
-CERTAIN_MIN_REQUESTS = 10_000
+#: pre-replay early stop: certain when the chance that the realised load is low enough not to
+#: starve is below e^-CERTAIN_LOG_ODDS (1e-12)
+CERTAIN_LOG_ODDS = math.log(1e12)
+#: the ShareGPT model's mean length is solved by sampling (twin.workload.fit_sharegpt_locations):
+#: the bound uses this share of it
+SHAREGPT_MEAN_SAFETY = 0.99
 
 
 def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: bool, grace_s: float = 0.0):
     """(expected requests, expected tokens) when the outcome is certain before any request is
     drawn, else None.  Only for ``early_stop`` scenarios with Poisson arrivals, no client cap and a
-    length model of known mean.  An OOM needs no replay at all.  A starting engine is certainly
-    starving when the expected incoming tokens are >= CERTAIN_LOAD_FACTOR x rho^-1 x its maximum
-    token rate over the window and the window holds >= CERTAIN_MIN_REQUESTS expected requests:
-    the realised load then falls below half its mean -- the only way the run could not starve --
-    with probability < 1e-12 (Chernoff: fewer than 75 % of the expected requests, e^(-N/32);
-    Hoeffding: mean length below 2/3 of its mean over >= 7,500 requests, < e^-60 for lengths in
-    [8, 2048] around 416).  Such a run would stop at t = 0 anyway, after drawing up to millions of
-    requests.  The result reports the *expected* incoming rate and request count.  With a grace
-    (see ``simulate``), the same holds for the requests arriving before T - grace."""
-    from twin.workload import SHAREGPT_TARGET_MEANS
+    length model of known mean and maximum whose requests fit ``max_model_len`` unshortened.  An
+    OOM needs no replay at all.  A starting engine serves at most ``cap`` tokens/s (its cheapest
+    full step, :func:`max_token_rate`), so it starves whenever the tokens S of the requests that
+    count exceed cap x T / rho.  S is a compound-Poisson sum (N ~ Poisson(L), lengths in [1, m]
+    with mean mu); for 0 < d < 1, P(S <= (1 - d) L mu) <= exp(-L d^2 mu / (2 m)) (Chernoff with
+    e^-x <= 1 - x + x^2/2 and E[len^2] <= m mu).  The run is certain when that bound, at the d
+    that cap x T / rho leaves, is below 1e-12.  Such a run would stop at t = 0 anyway, after
+    drawing up to millions of requests.  The result reports the *expected* incoming rate and
+    request count.  With a grace (see ``simulate``), the requests that count are those arriving
+    before T - grace."""
+    from twin.workload import SHAREGPT_TARGET_MEANS, TOTAL_MAX
 
     a, ln = sc.arrivals, sc.lengths
     if a.process != "poisson" or sc.client.max_inflight is not None:
         return None
     if ln.source == "sharegpt":
-        mean_tokens = sum(SHAREGPT_TARGET_MEANS)
-    elif ln.source == "mean" and ln.mean_in is not None and ln.mean_out is not None:
-        mean_tokens = ln.mean_in + ln.mean_out
+        mean_tokens, max_tokens = sum(SHAREGPT_TARGET_MEANS), float(TOTAL_MAX)
+        bound_mean = SHAREGPT_MEAN_SAFETY * mean_tokens
+    elif ln.source == "mean":
+        # every request has round(mean_in) + round(mean_out) tokens (twin.workload.draw_lengths)
+        mi = ln.mean_in if ln.mean_in is not None else SHAREGPT_TARGET_MEANS[0]
+        mo = ln.mean_out if ln.mean_out is not None else SHAREGPT_TARGET_MEANS[1]
+        mean_tokens = max_tokens = bound_mean = float(max(1, round(mi)) + max(1, round(mo)))
     else:
         return None
     _, _, rates = sc.adapter_table()
@@ -208,9 +215,15 @@ def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: b
     tokens = n_req * mean_tokens
     if not starts:
         return int(round(n_req)), tokens
+    if max_tokens > eng["max_model_len"]:          # requests would be shortened: lengths unknown
+        return None
     cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
     due = max(0.0, 1.0 - grace_s / sc.duration_s)       # share of the window whose requests count
-    if n_req * due >= CERTAIN_MIN_REQUESTS and tokens * due >= CERTAIN_LOAD_FACTOR * cap * sc.duration_s / sc.rho:
+    expected = n_req * due                               # L
+    if expected <= 0:
+        return None
+    d = 1.0 - cap * sc.duration_s / sc.rho / (expected * bound_mean)
+    if d > 0 and expected * d * d * bound_mean / (2.0 * max_tokens) >= CERTAIN_LOG_ODDS:
         return int(round(n_req)), tokens
     return None
 
