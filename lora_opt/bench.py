@@ -11,6 +11,7 @@ Saturated scenarios are run again with ``early_stop`` to show what stopping cert
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -98,6 +99,16 @@ def bench_twin(out: str | None = None, repeats: int = 3) -> int:
     return 0
 
 
+def _time_class(row: dict) -> str:
+    """Which kind of run a labelled dataset row was (``bench dataset``'s time breakdown)."""
+    if row["status"] == "oom":
+        return "fails to start (OOM)"
+    stopped = row["stopped_early_s"]
+    if stopped is None or math.isnan(stopped):
+        return "full hour, starving" if row["starving"] else "full hour, not starving"
+    return "stopped within 10 s" if stopped <= 10.0 else "stopped later"
+
+
 def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
     """Rows/s of labelling a random sample of a grid with 1 and 2 workers, and the extrapolated
     time of the whole grid (Ray started and warmed before timing)."""
@@ -135,10 +146,7 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
              "stopped within 10 s": 0.0, "stopped later": 0.0}
     counts = dict.fromkeys(kinds, 0)
     for r in rows1:
-        st = r["stopped_early_s"]
-        kind = ("fails to start (OOM)" if r["status"] == "oom" else
-                ("full hour, starving" if r["starving"] else "full hour, not starving") if st != st else
-                "stopped within 10 s" if st <= 10.0 else "stopped later")
+        kind = _time_class(r)
         kinds[kind] += r["wall_s"]
         counts[kind] += 1
     total = sum(kinds.values()) or 1.0

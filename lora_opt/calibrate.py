@@ -427,6 +427,19 @@ def fit_max_num_seqs_term(runs: pd.DataFrame, entry: ModelEntry) -> FitResult | 
         plot={"x": seqs, "y": gib, "pred": pred})
 
 
+def _startup_config(rows: pd.DataFrame, profile: Profile):
+    """Per run (gpu_memory_utilization, max_num_batched_tokens, LoRA slots, max_lora_rank) as the
+    engine started: missing values are the profile's defaults; ``enable_lora = 0`` means no slots."""
+    d = profile.defaults
+    util = np.where(np.isfinite(_num(rows["gpu_memory_utilization"])), _num(rows["gpu_memory_utilization"]),
+                    d.gpu_memory_utilization)
+    mnbt = np.where(np.isfinite(_num(rows["max_num_batched_tokens"])), _num(rows["max_num_batched_tokens"]),
+                    d.max_num_batched_tokens)
+    n_loras = np.where(_num(rows["enable_lora"]) == 1, np.nan_to_num(_num(rows["max_loras"]), nan=d.max_loras), 0)
+    ranks = np.nan_to_num(_num(rows["max_lora_rank"]), nan=d.max_lora_rank)
+    return util, mnbt, n_loras, ranks
+
+
 def fit_max_num_seqs_term_v0(runs: pd.DataFrame, entry: ModelEntry, profile: Profile) -> FitResult | None:
     """V0 (0.5.0): the same sampler term from the only estimator family run at another
     ``max_num_seqs`` -- ``performance_analysis/loading_overhead`` (50, one LoRA slot) -- against
@@ -443,12 +456,7 @@ def fit_max_num_seqs_term_v0(runs: pd.DataFrame, entry: ModelEntry, profile: Pro
         return None
     rows, kv, seqs = rows[ok], kv[ok], seqs[ok]
     knee = float(seqs.min())
-    util = np.where(np.isfinite(_num(rows["gpu_memory_utilization"])), _num(rows["gpu_memory_utilization"]),
-                    profile.defaults.gpu_memory_utilization)
-    mnbt = np.where(np.isfinite(_num(rows["max_num_batched_tokens"])), _num(rows["max_num_batched_tokens"]),
-                    profile.defaults.max_num_batched_tokens)
-    n_loras = np.where(_num(rows["enable_lora"]) == 1, np.nan_to_num(_num(rows["max_loras"]), nan=1.0), 0)
-    ranks = np.nan_to_num(_num(rows["max_lora_rank"]), nan=profile.defaults.max_lora_rank)
+    util, mnbt, n_loras, ranks = _startup_config(rows, profile)
     # KV the memory model (no seqs term) predicts for these configurations; the measured surplus
     # is overhead the profiling run does not hold at this max_num_seqs
     pred = np.array([profile.kv_capacity_tokens(int(nl), int(r), float(u), int(mb), enable_lora=nl > 0,
@@ -916,13 +924,8 @@ def memory_check(runs_df: pd.DataFrame, profile: Profile, model: str | None = No
     rows = runs_df[(runs_df["model"] == model) & runs_df["status"].isin(["ok", "gpu_oom"])]
     if rows.empty:
         raise ScenarioError(f"memory_check: no ok/gpu_oom runs of model {model!r}")
-    util = np.where(np.isfinite(_num(rows["gpu_memory_utilization"])), _num(rows["gpu_memory_utilization"]),
-                    profile.defaults.gpu_memory_utilization)
-    mnbt = np.where(np.isfinite(_num(rows["max_num_batched_tokens"])), _num(rows["max_num_batched_tokens"]),
-                    profile.defaults.max_num_batched_tokens)
+    util, mnbt, n_loras, ranks = _startup_config(rows, profile)
     lora_on = _num(rows["enable_lora"]) == 1
-    n_loras = np.where(lora_on, np.nan_to_num(_num(rows["max_loras"]), nan=profile.defaults.max_loras), 0)
-    ranks = np.nan_to_num(_num(rows["max_lora_rank"]), nan=profile.defaults.max_lora_rank)
     measured = _measured_kv_tokens(rows)
     seqs = _num(rows["max_num_seqs"])
     actual_ok = (rows["status"] == "ok").to_numpy()
