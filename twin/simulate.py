@@ -150,6 +150,10 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
     return ms / 1000.0
 
 
+#: the work bound's arrays when it is not used (the engine checks for zero buckets)
+NO_WORK_BOUND = (np.zeros(0, np.int32), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.zeros(0))
+
+
 def work_buckets(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray):
     """The early stop's work bound: (bucket of each request, its least work in s, per-bucket sums of
     least work and tokens, per-bucket highest tokens per second of least work), buckets in
@@ -157,7 +161,7 @@ def work_buckets(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray):
     n = in_len.shape[0]
     cost = least_work_s(lat, eng, in_len, out_len) if n else None
     if cost is None or not np.all(cost > 0):
-        return (np.zeros(n, np.int32), np.zeros(n), np.zeros(0), np.zeros(0, np.int64), np.zeros(0))
+        return (np.zeros(n, np.int32), np.zeros(n), *NO_WORK_BOUND[2:])
     tokens = (in_len + out_len).astype(np.int64)
     ratio = tokens / cost
     lo, hi = float(ratio.min()), float(ratio.max())
@@ -269,10 +273,11 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
             return _unserved("ok" if starts else "oom", T, tokens / T, True, kv_tokens,
                              0.0 if starts else None, reason, n_req, t_wall, eng)
     req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
-    if len(req) and int((req.in_len + req.out_len).max()) > eng["max_model_len"]:
-        raise ScenarioError(f"requests: a request of {int((req.in_len + req.out_len).max())} tokens exceeds "
+    tok = req.in_len + req.out_len
+    if len(req) and int(tok.max()) > eng["max_model_len"]:
+        raise ScenarioError(f"requests: a request of {int(tok.max())} tokens exceeds "
                             f"max_model_len {eng['max_model_len']}")
-    arrived_tokens = int((req.in_len + req.out_len).sum())
+    arrived_tokens = int(tok.sum())
     incoming = arrived_tokens / T
     if not starts:
         return _unserved("oom", T, incoming, incoming > 0, kv_tokens, None, reason, len(req), t_wall, eng)
@@ -285,17 +290,16 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     lat = profile.latency
     lora = lat.lora_for_rank(eng["max_lora_rank"])
     if sc.early_stop and len(req):
-        tok = req.in_len + req.out_len
         factor = float((tok / np.maximum(tok - 1, 1)).max())
         # with a grace, certain that the tokens of requests arriving before T - grace are served
         # below rho (completed tokens of all requests bound those of the early ones)
         stop_target = sc.rho * (arrived_tokens if stop_grace_s <= 0 else
-                                int((req.in_len + req.out_len)[req.arrival < T - stop_grace_s].sum()))
+                                int(tok[req.arrival < T - stop_grace_s].sum()))
         cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
         work = work_buckets(profile.latency, eng, req.in_len, req.out_len)
     else:
         factor, stop_target, cap = 1.0, 0.0, 0.0
-        work = work_buckets(profile.latency, eng, req.in_len[:0], req.out_len[:0])
+        work = NO_WORK_BOUND
     block = profile.memory.block_size
     out = run_engine(
         req.arrival, req.in_len, req.out_len, req.adapter,
