@@ -124,8 +124,7 @@ def test_work_bound_stops_earlier_than_the_token_cap_alone(monkeypatch):
     over = small_scenario(adapters=[{"count": 8, "rank": 16, "rate": 5.0}], duration_s=900, early_stop=True,
                           engine={"max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_loras": 8})
     both = twin.simulate(scenario_from_dict(over))
-    monkeypatch.setattr(simulate_mod, "work_buckets", lambda lat, eng, i, o: (
-        np.zeros(len(i), np.int32), np.zeros(len(i)), np.zeros(0), np.zeros(0, np.int64), np.zeros(0)))
+    monkeypatch.setattr(simulate_mod, "work_buckets", lambda lat, eng, i, o: simulate_mod.NO_WORK_BOUND)
     cap_only = twin.simulate(scenario_from_dict(over))
     assert both.starving and cap_only.starving
     assert both.stopped_early_s < 0.7 * cap_only.stopped_early_s
@@ -310,7 +309,6 @@ def test_pre_draw_certificate_fires_near_the_cap_and_is_sound(small, lengths):
             assert stop.starving and stop.stopped_early_s == 0.0 and stop.steps == 0
             full = twin.simulate(scenario_from_dict({**base, "adapters": adapters}))
             assert full.starving and full.throughput_tok_s < sc0.rho * full.incoming_token_rate
-
 
 
 @settings(max_examples=200, deadline=None)
