@@ -7,7 +7,7 @@ For each trace (azure-conv, azure-code), rank set ({8,16}, {8,16,32}) and load (
 time compression): requests are spread uniformly over 1,280 adapters, per-adapter rates are
 estimated on the first half of the (compressed) hour, each policy places the adapters from those
 rates on a pool of 4 GPUs, and the second half is replayed on the twin, GPU by GPU on Ray
-(``lora_opt.trace_workload`` documents the split and the scaling).  greedy-plus also sees the
+(``lora_opt.placement.trace_split`` documents the split and the scaling).  greedy-plus also sees the
 first half's requests (it verifies GPUs on them); the other policies see only the rates, as in the
 paper.  Writes experiments/azure_placement/ (results.csv, report.md, PNG plots).
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lora_opt.evaluate import evaluate_placement, served_ok  # noqa: E402
-from lora_opt.policies import PlacementContext, get_policy  # noqa: E402
+from lora_opt.placement.evaluate import evaluate_placement, served_ok  # noqa: E402
+from lora_opt.placement.policies import PlacementContext, get_policy  # noqa: E402
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
-from lora_opt.trace_workload import trace_split  # noqa: E402
+from lora_opt.placement.trace_split import trace_split  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "azure_placement"
 PROFILE = "llama-3.1-8b-h100-64gb"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lora_opt.fidelity import run_fidelity  # noqa: E402
+from lora_opt.calibration.fidelity import run_fidelity  # noqa: E402
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "fidelity"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lora_opt.pareto import criteria_sweep, run_pareto, write_outputs  # noqa: E402
-from lora_opt.policies import PlacementContext  # noqa: E402
-from lora_opt.search import Traffic  # noqa: E402
+from lora_opt.search.pareto import criteria_sweep, run_pareto, write_outputs  # noqa: E402
+from lora_opt.placement.policies import PlacementContext  # noqa: E402
+from lora_opt.search.study import Traffic  # noqa: E402
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
-from lora_opt.trace_workload import trace_split  # noqa: E402
+from lora_opt.placement.trace_split import trace_split  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "pareto_azure"
 

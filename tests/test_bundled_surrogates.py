@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from lora_opt.distill import DistilledSurrogate
-from lora_opt.features import feature_matrix, gpu_features
-from lora_opt.surrogate import Surrogate
+from lora_opt.surrogates.distill import DistilledSurrogate
+from lora_opt.surrogates.features import feature_matrix, gpu_features
+from lora_opt.surrogates.surrogate import Surrogate
 from twin.paths import CONFIGS_DIR
 
 BUNDLED = sorted(p for p in (CONFIGS_DIR / "surrogates").iterdir() if p.is_dir())

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from lora_opt import calibrate as cal
+from lora_opt.calibration import profile_fit as cal
 from twin.errors import ScenarioError
 from twin.paths import PROFILES_DIR, REPO_ROOT
 from twin.profile import load_profile

@@ -9,8 +9,8 @@ import time
 import pytest
 import yaml
 
-from lora_opt import dataset as ds
-from lora_opt.features import FEATURES
+from lora_opt.surrogates import dataset as ds
+from lora_opt.surrogates.features import FEATURES
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
 
@@ -97,7 +97,7 @@ def test_sampled_grid_is_a_seeded_subset(tmp_path):
 
 
 def test_load_band_keeps_points_by_expected_load(tmp_path):
-    from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
+    from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
     for name, (lo, hi) in (("boundary", (1500, 16000)), ("lowload", (0, 250))):
         _, g = ds.load_grid(name)
         pts = g.points()

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor
 
-from lora_opt import distill as dl
-from lora_opt import surrogate as sg
-from lora_opt.features import FEATURES
+from lora_opt.surrogates import distill as dl
+from lora_opt.surrogates import surrogate as sg
+from lora_opt.surrogates.features import FEATURES
 from test_surrogate import twin_frame
 from twin.errors import ScenarioError
 

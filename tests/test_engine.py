@@ -107,7 +107,7 @@ def test_early_stop_never_changes_the_starvation_verdict(p, load_x):
 def test_graced_early_stop_never_fails_a_run_the_graced_verdict_passes(p, load_x, grace):
     """With stop_grace_s, a run stops only when the requests arriving before T - grace certainly
     get < rho of their tokens served by T (the judge of evaluate / greedy-plus)."""
-    from lora_opt.evaluate import served_fraction
+    from lora_opt.placement.evaluate import served_fraction
     p = {**p, "groups": [(c, r, q * load_x) for c, r, q in p["groups"]]}
     full = twin.simulate(_build(p))
     stop = twin.simulate(scenario_from_dict({**_build_dict(p), "early_stop": True}), stop_grace_s=grace)

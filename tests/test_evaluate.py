@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from lora_opt.evaluate import (evaluate_placement, route_requests, with_evaluation, workload_from_placement,
+from lora_opt.placement.evaluate import (evaluate_placement, route_requests, with_evaluation, workload_from_placement,
                                workload_requests)
-from lora_opt.placement import Adapter, GPUConfig, Placement
-from lora_opt.policies import get_policy
-from lora_opt.workload import workload_from_dict
+from lora_opt.placement.plan import Adapter, GPUConfig, Placement
+from lora_opt.placement.policies import get_policy
+from lora_opt.placement.workload_file import workload_from_dict
 from twin.errors import ScenarioError
 
 P = "llama-3.1-8b-h100-64gb"

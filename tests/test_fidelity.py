@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lora_opt import realruns
+from lora_opt.calibration import realruns
 from twin.paths import REPO_ROOT
 from twin.scenario import scenario_from_dict
 
@@ -46,7 +46,7 @@ def test_fidelity_unknown_family_is_a_clear_error(tmp_path):
 
 
 def test_targets_table_gives_both_scales_and_the_comparison():
-    from lora_opt.fidelity import TARGETS, targets_table
+    from lora_opt.calibration.fidelity import TARGETS, targets_table
     metrics = {"throughput": (4.2, 8.7), "itl_mean": (15.0, 18.7), "ttft_mean": (24.0, 104.0)}
     summary = {"smape": {
         "report half": {},           # overall groups are not in the table

@@ -5,8 +5,8 @@ import shlex
 import pytest
 
 from lora_opt.cli import main
-from lora_opt.placement import Placement
-from lora_opt.vllm_launch import validate_serve_args
+from lora_opt.placement.plan import Placement
+from lora_opt.placement.vllm_launch import validate_serve_args
 from twin.paths import CONFIGS_DIR
 
 EXAMPLE = str(CONFIGS_DIR / "workloads" / "example.yaml")

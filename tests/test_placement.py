@@ -3,8 +3,8 @@ import importlib.util
 
 import pytest
 
-from lora_opt.placement import Adapter, GPUConfig, Placement, PlacementError, check_placement, placement_problems
-from lora_opt.vllm_launch import check_serve_args, router_table, serve_command, validate_serve_args
+from lora_opt.placement.plan import Adapter, GPUConfig, Placement, PlacementError, check_placement, placement_problems
+from lora_opt.placement.vllm_launch import check_serve_args, router_table, serve_command, validate_serve_args
 from twin import ScenarioError
 from twin.profile import load_profile
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_opt.features import gpu_features
-from lora_opt.placement import Placement, placement_problems
-from lora_opt.policies import POLICIES, PlacementContext, get_policy
-from lora_opt.policies.greedy import TESTING_POINTS, Segments, priority_order, zigzag
-from lora_opt.workload import workload_from_dict
+from lora_opt.surrogates.features import gpu_features
+from lora_opt.placement.plan import Placement, placement_problems
+from lora_opt.placement.policies import POLICIES, PlacementContext, get_policy
+from lora_opt.placement.policies.greedy import TESTING_POINTS, Segments, priority_order, zigzag
+from lora_opt.placement.workload_file import workload_from_dict
 from twin.errors import ScenarioError
 from twin.profile import VLLM_LORA_RANKS
 
@@ -140,7 +140,7 @@ def test_greedy_a_max_from_testing_points(ctx):
 
 def test_greedy_plus_gpus_pass_the_twin_at_the_expected_load(ctx):
     """Every GPU greedy-plus returns was verified on the twin at (1 + margin) x its load."""
-    from lora_opt.evaluate import evaluate_placement
+    from lora_opt.placement.evaluate import evaluate_placement
     wl = make_workload(n=200, scale=4.0)
     p = policy("greedy-plus").place(wl, 8, ctx)
     assert p.meta["feasible"]

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from lora_opt.evaluate import Criterion
-from lora_opt.pareto import criteria_sweep, pareto_points
-from lora_opt.policies import PlacementContext, get_policy
-from lora_opt.search import (SearchSetup, Traffic, decode, encode, hypervolume, part_sizes, pareto_front,
+from lora_opt.placement.evaluate import Criterion
+from lora_opt.search.pareto import criteria_sweep, pareto_points
+from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.search.study import (SearchSetup, Traffic, decode, encode, hypervolume, part_sizes, pareto_front,
                              run_search)
-from lora_opt.workload import workload_from_dict
+from lora_opt.placement.workload_file import workload_from_dict
 
 P = "llama-3.1-8b-h100-64gb"
 TINY = {"profile": P, "name": "tiny", "adapters": [{"count": 14, "rank": 8, "rate": 0.4, "prefix": "s-"},
@@ -74,7 +74,7 @@ def test_tiny_study_on_local_ray_front_respects_constraints(tiny, tmp_path):
 
 
 def test_a_trial_that_raises_is_recorded_as_failed(tiny, tmp_path, monkeypatch):
-    import lora_opt.search as search
+    import lora_opt.search.study as search
     wl, ctx, setup = tiny
     real = search.run_trial
 
@@ -228,7 +228,7 @@ def test_search_cli_on_a_request_log(tmp_path, capsys):
 
 
 def _open_after(barrier, url, q):
-    from lora_opt.search import open_storage
+    from lora_opt.search.study import open_storage
     barrier.wait()
     try:
         open_storage(url)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_opt import dataset as ds
-from lora_opt import surrogate as sg
-from lora_opt.features import FEATURES
+from lora_opt.surrogates import dataset as ds
+from lora_opt.surrogates import surrogate as sg
+from lora_opt.surrogates.features import FEATURES
 from twin.errors import ScenarioError
 
 PROFILE = "llama-3.1-8b-h100-64gb"
@@ -22,7 +22,7 @@ SERVED, MAX_LORAS = (8, 16, 32, 64, 96, 128, 192), (8, 16, 32, 64, 192)   # 192 
 
 @functools.lru_cache(maxsize=1)
 def twin_frame(workloads: int = 16, seed: int = 0) -> pd.DataFrame:
-    """Rows of the dataset schema (``lora_opt.dataset.make_row``) for ``workloads`` random workloads,
+    """Rows of the dataset schema (``lora_opt.surrogates.dataset.make_row``) for ``workloads`` random workloads,
     each over every (served, A_max <= served) pair: ~370 twin runs of 300 s, ~10 s."""
     grid = ds.Grid(ranks=RANKS, rates=RATES, served=SERVED, max_loras=MAX_LORAS, duration_s=300.0,
                    early_stop=True, seed=0)
@@ -90,7 +90,7 @@ def test_train_cli_writes_files_and_metrics(trained):
         assert 0 <= r["test_smape"] < 60, (fam, r["test_smape"])
         assert 0 <= c["test"]["macro_f1"] <= 1
         assert r["latency"]["single_us"] > 0 and r["latency"]["batch_us_per_row"] > 0
-    # the dataset hash links the run to the dataset run of lora_opt.dataset
+    # the dataset hash links the run to the dataset run of lora_opt.surrogates.dataset
     assert m["dataset"]["sha256_16"] == ds.dataset_hash(trained["data"])
     assert "paper_ng" in m and m["paper_ng"]["workloads"] == 16
     assert m["paper_ng"]["meaningful"] is False and "anecdotal" in m["paper_ng"]["note"]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lora_opt.trace_workload import trace_split
+from lora_opt.placement.trace_split import trace_split
 from twin.errors import ScenarioError
 
 P = "llama-3.1-8b-h100-64gb"

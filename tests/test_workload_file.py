@@ -1,7 +1,7 @@
 """Workload files: parsing, groups, errors that name the field."""
 import pytest
 
-from lora_opt.workload import load_workload, workload_from_dict
+from lora_opt.placement.workload_file import load_workload, workload_from_dict
 from twin.errors import ScenarioError
 from twin.paths import CONFIGS_DIR
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_opt import realruns
+from lora_opt.calibration import realruns
 from lora_opt.parallel import run_scenarios
 
 #: (name in the report, real column, twin result key, twin sub-key, peer column)
@@ -93,7 +93,7 @@ def comparison_table(rows, results: dict[str, list[dict]], peer):
         if pcol:
             df[f"peer_{name}"] = rel.map(p[pcol]) if len(p) else np.nan
     df["has_peer"] = rel.isin(p.index)
-    from lora_opt.e2e_fit import FIT_HALF
+    from lora_opt.calibration.e2e_fit import FIT_HALF
     df["half"] = ["fit" if FIT_HALF.get(m, "\0") in e else "report" for m, e in zip(df["model"], df["experiment"])]
     return df
 

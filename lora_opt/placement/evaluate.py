@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from lora_opt.placement import Placement
-from lora_opt.workload import Workload, evaluation_scenario
+from lora_opt.placement.plan import Placement
+from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
 from twin.simulate import weighted_stats
 from twin.workload import Requests, generate_requests
@@ -289,7 +289,7 @@ def evaluation_table(ev: dict) -> str:
 
 def workload_from_placement(p: Placement):
     """A workload for a placement file alone: its adapters, profile and rho; Poisson replay."""
-    from lora_opt.workload import PlacementEngine, Workload
+    from lora_opt.placement.workload_file import PlacementEngine, Workload
 
     g = p.gpus[0]
     return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=float(p.meta.get("rho", 0.9)),
@@ -300,7 +300,7 @@ def workload_from_placement(p: Placement):
 
 def with_evaluation(wl, **overrides):
     """The workload with evaluation fields replaced (``None`` values ignored), validated."""
-    from lora_opt.workload import workload_from_dict
+    from lora_opt.placement.workload_file import workload_from_dict
 
     d = wl.to_dict()
     ev = d["evaluation"]

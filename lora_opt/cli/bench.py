@@ -114,7 +114,7 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
     time of the whole grid (Ray started and warmed before timing)."""
     import random
 
-    from lora_opt import dataset as ds
+    from lora_opt.surrogates import dataset as ds
     from lora_opt.parallel import init_ray, run_batches
 
     profile, g = ds.load_grid(grid)
@@ -159,7 +159,7 @@ def bench_workload(n: int, rates, seed: int = 0, ranks=(8, 16, 32)):
     """A seeded synthetic workload of ``n`` adapters (ranks and rates drawn uniformly)."""
     import numpy as np
 
-    from lora_opt.workload import workload_from_dict
+    from lora_opt.placement.workload_file import workload_from_dict
 
     rng = np.random.default_rng(seed)
     rk = rng.choice(ranks, n)
@@ -185,7 +185,7 @@ def bench_place(out: str | None = None, repeats: int = 3) -> int:
     """Wall time of the placement algorithm (``assign``: ordering, oracle calls, packing) and of
     the whole ``place`` (plus per-GPU flags, the checker, start-up checks), best of ``repeats``
     after one warm-up call (surrogates loaded, Numba compiled)."""
-    from lora_opt.policies import PlacementContext, get_policy
+    from lora_opt.placement.policies import PlacementContext, get_policy
 
     rows = []
     cache = {}
@@ -225,9 +225,9 @@ def bench_search(out: str | None = None, trials: int = 48, seed: int = 0) -> int
     import numpy as np
 
     from lora_opt.parallel import TaskPool
-    from lora_opt.policies import PlacementContext
-    from lora_opt.search import AMAX_MAX, SearchSetup, Traffic, run_trial
-    from lora_opt.trace_workload import trace_split
+    from lora_opt.placement.policies import PlacementContext
+    from lora_opt.search.study import AMAX_MAX, SearchSetup, Traffic, run_trial
+    from lora_opt.placement.trace_split import trace_split
 
     sp = trace_split("azure-conv", profile="llama-3.1-8b-h100-64gb", n_adapters=1280, ranks=(8, 16, 32),
                      target_rate=15.0, seed=seed)

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
+from twin.paths import DATA_DIR
+
+REAL_RUNS_CSV = DATA_DIR / "real_runs" / "real_runs_vllm_lora.csv"
 
 
 def _fmt_stats(s: dict) -> str:
@@ -76,23 +79,23 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from lora_opt.bench import bench_dataset, bench_twin
+    from lora_opt.cli.bench import bench_dataset, bench_twin
 
     if args.what == "twin":
         return bench_twin(out=args.out, repeats=args.repeats)
     if args.what == "dataset":
         return bench_dataset(grid=args.grid, sample=args.sample)
     if args.what == "place":
-        from lora_opt.bench import bench_place
+        from lora_opt.cli.bench import bench_place
         return bench_place(out=args.out, repeats=args.repeats)
     if args.what == "search":
-        from lora_opt.bench import bench_search
+        from lora_opt.cli.bench import bench_search
         return bench_search(out=args.out)
     raise SystemExit(f"lora-opt bench: unknown benchmark {args.what!r}")
 
 
 def cmd_calibrate(args) -> int:
-    from lora_opt.calibrate import calibrate
+    from lora_opt.calibration.profile_fit import calibrate
 
     calibrate(args.runs, args.model, args.out, report_dir=args.report)
     print(f"profile -> {args.out}" + (f"; report -> {args.report}" if args.report else ""))
@@ -100,7 +103,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_fidelity(args) -> int:
-    from lora_opt.fidelity import run_fidelity
+    from lora_opt.calibration.fidelity import run_fidelity
 
     cmd = "lora-opt fidelity" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
     summary = run_fidelity(args.runs, family=args.family, out_dir=args.out, workers=args.workers,
@@ -119,7 +122,7 @@ def cmd_fidelity(args) -> int:
 
 
 def cmd_calibrate_e2e(args) -> int:
-    from lora_opt.e2e_fit import FIT_HALF, fit_model
+    from lora_opt.calibration.e2e_fit import FIT_HALF, fit_model
 
     models = [args.model] if args.model else sorted(FIT_HALF)
     for m in models:
@@ -133,7 +136,7 @@ def cmd_calibrate_e2e(args) -> int:
 
 
 def cmd_dataset(args) -> int:
-    from lora_opt.dataset import generate
+    from lora_opt.surrogates.dataset import generate
 
     s = generate(args.profile, args.grid, args.out, workers=args.workers, ray_address=args.ray_address,
                  limit=args.limit, tracking_uri=args.tracking_uri)
@@ -143,7 +146,7 @@ def cmd_dataset(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from lora_opt.surrogate import train_cli
+    from lora_opt.surrogates.surrogate import train_cli
 
     m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
     ch = m["chosen"]
@@ -168,8 +171,8 @@ def _policy_options(args) -> dict:
 
 
 def cmd_place(args) -> int:
-    from lora_opt.place import run_place
-    from lora_opt.workload import load_workload
+    from lora_opt.cli.place import run_place
+    from lora_opt.placement.workload_file import load_workload
 
     wl = load_workload(args.workload)
     return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
@@ -178,9 +181,9 @@ def cmd_place(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from lora_opt.evaluate import evaluate_placement, evaluation_table, with_evaluation, workload_from_placement
-    from lora_opt.placement import Placement, PlacementError
-    from lora_opt.workload import load_workload
+    from lora_opt.placement.evaluate import evaluate_placement, evaluation_table, with_evaluation, workload_from_placement
+    from lora_opt.placement.plan import Placement, PlacementError
+    from lora_opt.placement.workload_file import load_workload
 
     if not Path(args.placement).exists():
         raise PlacementError(f"placement file not found: {args.placement}")
@@ -208,16 +211,16 @@ def cmd_evaluate(args) -> int:
 
 
 def _criterion(args, rho: float):
-    from lora_opt.evaluate import Criterion
+    from lora_opt.placement.evaluate import Criterion
     if args.ttft_slo_ms is None and args.itl_slo_ms is None:
         return Criterion(rho=args.rho if args.rho is not None else rho)
     return Criterion(rho=args.rho, ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms, attainment=args.attainment)
 
 
 def cmd_search(args) -> int:
-    from lora_opt.policies import PlacementContext
-    from lora_opt.search import SearchSetup, front_table, replay_front, run_search, traffic_halves
-    from lora_opt.workload import load_workload
+    from lora_opt.placement.policies import PlacementContext
+    from lora_opt.search.study import SearchSetup, front_table, replay_front, run_search, traffic_halves
+    from lora_opt.placement.workload_file import load_workload
 
     wl = load_workload(args.workload)
     if args.trials < 1:
@@ -251,7 +254,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_pareto(args) -> int:
-    from lora_opt.pareto import run_pareto_cli
+    from lora_opt.search.pareto import run_pareto_cli
     return run_pareto_cli(args)
 
 
@@ -289,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("calibrate-e2e", help="fit the constants only end-to-end runs identify, on half of them")
     e.add_argument("--model", help="model name as in the CSV (default: every bundled model)")
-    e.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"))
+    e.add_argument("--runs", default=str(REAL_RUNS_CSV))
     e.add_argument("--workers", type=int, help="parallel workers (default: all cores)")
     e.set_defaults(func=cmd_calibrate_e2e)
 
@@ -400,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     pa.set_defaults(func=cmd_pareto)
 
     f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
-    f.add_argument("--runs", default=str(Path(__file__).resolve().parent.parent / "data/real_runs/real_runs_vllm_lora.csv"),
+    f.add_argument("--runs", default=str(REAL_RUNS_CSV),
                    help="real runs CSV (default: the bundled one)")
     f.add_argument("--family", help="only experiments containing this text (e.g. rank_16_rates_1.6)")
     f.add_argument("--out", default="outputs/fidelity", help="report directory")
@@ -423,6 +426,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lora-opt {args.command}: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from lora_opt.features import gpu_features
+from lora_opt.surrogates.features import gpu_features
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
 from twin.profile import VLLM_LORA_RANKS
@@ -85,7 +85,7 @@ class Grid:
             keep_keys = set(random.Random(self.seed).sample(keys, min(self.workloads, len(keys))))
             out = [p for p in out if (tuple(p["ranks"]), tuple(p["rates"])) in keep_keys]
         if self.load_band is not None:
-            from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
+            from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
             lo, hi = self.load_band
             out = [p for p in out
                    if lo <= DEFAULT_TOKENS_PER_REQUEST * sum(c * q for c, q in zip(split_counts(p["n"], self.groups),

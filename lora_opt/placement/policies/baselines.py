@@ -10,9 +10,9 @@ import math
 
 import numpy as np
 
-from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
-from lora_opt.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
-from lora_opt.workload import Workload
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
+from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
+from lora_opt.placement.workload_file import Workload
 
 
 class DLoRA(PlacementPolicy):

@@ -29,7 +29,7 @@ MODEL_PROFILES = {
 }
 
 #: the papers' benchmark client: never more than this many requests in flight (running + waiting)
-#: in any run of the fit halves (max of running_max + waiting_max, lora_opt.e2e_fit.observed_inflight_cap);
+#: in any run of the fit halves (max of running_max + waiting_max, lora_opt.calibration.e2e_fit.observed_inflight_cap);
 #: excess requests failed (real TTFT at saturation equals the server queueing time).
 BENCHMARK_CLIENT = {"max_inflight": 27934, "overflow": "drop"}
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lora_opt.placement import GPUConfig, Placement, placement_problems
-from lora_opt.workload import Workload
+from lora_opt.placement.plan import GPUConfig, Placement, placement_problems
+from lora_opt.placement.workload_file import Workload
 from twin.errors import ScenarioError
 from twin.paths import CONFIGS_DIR
 from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
@@ -57,9 +57,9 @@ def bundled_surrogate_dir(profile_name: str) -> Path:
 @functools.lru_cache(maxsize=8)
 def _load_oracle(path: str, kind: str):
     if kind == "distilled":
-        from lora_opt.distill import DistilledSurrogate
+        from lora_opt.surrogates.distill import DistilledSurrogate
         return DistilledSurrogate.load(path)
-    from lora_opt.surrogate import Surrogate
+    from lora_opt.surrogates.surrogate import Surrogate
     return Surrogate.load(path)
 
 

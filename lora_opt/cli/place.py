@@ -13,8 +13,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from lora_opt.placement import Placement, check_placement
-from lora_opt.vllm_launch import check_serve_args, router_table, serve_command
+from lora_opt.placement.plan import Placement, check_placement
+from lora_opt.placement.vllm_launch import check_serve_args, router_table, serve_command
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_NOT_DEPLOYABLE = 0, 3, 4
 
@@ -98,13 +98,13 @@ def write_outputs(p: Placement, profile, out_dir: Path, *, emit_vllm: bool, mode
 def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm: bool, model: str | None,
               surrogate: str | None, policy_options: dict, as_json: bool = False, out=None,
               history: str | None = None) -> int:
-    from lora_opt.policies import PlacementContext, get_policy
+    from lora_opt.placement.policies import PlacementContext, get_policy
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
     log = None
     if history:
-        from lora_opt.workload import load_request_log
+        from lora_opt.placement.workload_file import load_request_log
         wl, log, span = load_request_log(wl, history)
     ctx = PlacementContext.for_workload(wl, surrogate, history=log, history_s=span if history else 0.0)
     p = policy.place(wl, gpus, ctx)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 
-from lora_opt.placement import Placement
+from lora_opt.placement.plan import Placement
 from twin.errors import ScenarioError
 from twin.paths import DATA_DIR
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from lora_opt.evaluate import GRACE_S, Criterion, evaluate_placement, served_ok
-from lora_opt.placement import Placement
-from lora_opt.policies.base import PlacementContext, gpu_config
-from lora_opt.policies.greedy import max_loras_that_start, priority_order
-from lora_opt.workload import Workload
+from lora_opt.placement.evaluate import GRACE_S, Criterion, evaluate_placement, served_ok
+from lora_opt.placement.plan import Placement
+from lora_opt.placement.policies.base import PlacementContext, gpu_config
+from lora_opt.placement.policies.greedy import max_loras_that_start, priority_order
+from lora_opt.placement.workload_file import Workload
 from twin.errors import ScenarioError
 from twin.workload import Requests
 
@@ -73,7 +73,7 @@ def traffic_halves(wl: Workload, log_path: str | None):
     T = wl.evaluation.duration_s
     if not log_path:
         return wl, Traffic(None, T, seed=wl.evaluation.seed + 1), Traffic(None, T, seed=wl.evaluation.seed), {}
-    from lora_opt.workload import load_request_log, split_request_log
+    from lora_opt.placement.workload_file import load_request_log, split_request_log
     wl, log, span = load_request_log(wl, log_path)
     wl, first, second, half = split_request_log(wl, log, span)
     return wl, Traffic(first, half), Traffic(second, span - half), {"history": first, "history_s": half}
@@ -217,7 +217,7 @@ class SearchResult:
 def seed_placements(setup: SearchSetup, ctx: PlacementContext, rhos=(0.7, 0.8, 0.9, 0.95)) -> list[tuple[str, Placement]]:
     """Greedy placements to start from: greedy-plus under the papers' criterion at several rho, the
     default greedy-plus, and the paper's greedy."""
-    from lora_opt.policies import get_policy
+    from lora_opt.placement.policies import get_policy
 
     wl = setup.workload
     out = []

@@ -1,10 +1,10 @@
 """Placement policies behind one interface (``PlacementPolicy``); ``POLICIES`` names them all."""
 from __future__ import annotations
 
-from lora_opt.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
+from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
                                     startup_failures)
-from lora_opt.policies.baselines import DLoRA, LoRAServe
-from lora_opt.policies.greedy import Greedy, GreedyFast, GreedyPlus
+from lora_opt.placement.policies.baselines import DLoRA, LoRAServe
+from lora_opt.placement.policies.greedy import Greedy, GreedyFast, GreedyPlus
 from twin.errors import ScenarioError
 
 POLICIES: dict[str, type[PlacementPolicy]] = {

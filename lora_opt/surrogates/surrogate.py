@@ -5,7 +5,7 @@ times; the twin answers in ~0.1-2 s, these models in micro- to milliseconds.
 
 Method
 ------
-* Inputs: the per-GPU ``FEATURES`` of ``lora_opt.features`` (adapters served, sum / std of rates,
+* Inputs: the per-GPU ``FEATURES`` of ``lora_opt.surrogates.features`` (adapters served, sum / std of rates,
   max / mean / std of ranks, A_max, incoming token rate), always in that order.
 * Two heads per model family (k-nearest neighbours, random forest, support vector machine):
   a throughput **regressor** and a **starvation classifier** (label: ``starving`` or ``status ==
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
-from lora_opt.features import FEATURES
+from lora_opt.surrogates.features import FEATURES
 from twin.errors import ScenarioError
 
 #: the largest acceptable false-feasible rate (out-of-fold, training split)
@@ -104,7 +104,7 @@ def validate_dataset(df) -> None:
 
 def frame_hash(df) -> str:
     """Content hash of a dataset frame: sha256 of its CSV (``wall_s`` excluded) in point order.
-    For a frame from ``lora_opt.dataset.load_dataset(DIR)`` this equals ``dataset_hash(DIR)``, so a
+    For a frame from ``lora_opt.surrogates.dataset.load_dataset(DIR)`` this equals ``dataset_hash(DIR)``, so a
     surrogate run links to the dataset run that made its rows."""
     d = df
     if "point_id" in d.columns:
@@ -721,7 +721,7 @@ def _jsonable(v):
 
 def load_dataset_dir(dataset_dir) -> tuple[Any, str]:
     """(rows of every ``shard-*.parquet`` in point order, the dataset hash); ScenarioError if none."""
-    from lora_opt.dataset import load_dataset
+    from lora_opt.surrogates.dataset import load_dataset
 
     p = Path(dataset_dir)
     if not p.is_dir():
@@ -739,7 +739,7 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     twin version) and plots into ``out_dir``; return the metrics."""
     import pandas as pd
 
-    from lora_opt import distill
+    from lora_opt.surrogates import distill
 
     dirs = [dataset_dir] if isinstance(dataset_dir, (str, Path)) else list(dataset_dir)
     frames = []

@@ -1,4 +1,4 @@
-"""Fit report for :mod:`lora_opt.calibrate`: ``fit_report.md`` plus one small PNG per estimator.
+"""Fit report for :mod:`lora_opt.calibration.profile_fit`: ``fit_report.md`` plus one small PNG per estimator.
 
 Kept apart from the fitting code so that calibrating without a report never imports matplotlib.
 """

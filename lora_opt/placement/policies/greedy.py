@@ -51,9 +51,9 @@ from typing import ClassVar
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
-from lora_opt.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
-from lora_opt.workload import Workload
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
+from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
+from lora_opt.placement.workload_file import Workload
 from twin.profile import Profile
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
@@ -258,7 +258,7 @@ class GreedyPlus(_GreedyBase):
         self.max_adapters = max_adapters
         #: re-cut the GPUs the packing needs into parts of equal load (see _balanced)
         self.balance = balance
-        #: what the twin verification demands of a GPU (``lora_opt.evaluate.Criterion``; default:
+        #: what the twin verification demands of a GPU (``lora_opt.placement.evaluate.Criterion``; default:
         #: the workload's rho); the p99 TTFT bound applies on top of it
         self.criterion = criterion
         #: a progress bar (stderr) over the adapters placed: twin verification takes seconds
@@ -291,9 +291,9 @@ class GreedyPlus(_GreedyBase):
         from twin.scenario import scenario_from_dict
         from twin.workload import Requests
 
-        from lora_opt.evaluate import GRACE_S, Criterion
-        from lora_opt.policies.base import gpu_config
-        from lora_opt.workload import IDLE_RATE
+        from lora_opt.placement.evaluate import GRACE_S, Criterion
+        from lora_opt.placement.policies.base import gpu_config
+        from lora_opt.placement.workload_file import IDLE_RATE
         ads = [wl.adapters[i] for i in idx]
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
         criterion = self.criterion or Criterion(rho=wl.rho)

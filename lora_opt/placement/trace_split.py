@@ -7,7 +7,7 @@ each adapter's rate (its requests / that window), the placement is computed from
 the remaining part is replayed on the twin.  Load is scaled by compressing time (default: the
 trace's bursts and its drift between the halves are kept -- azure-code's first half carries 1.55x
 the requests of its second -- and the windows shrink: at 8x, 225 s to estimate, 225 s to replay;
-``lora_opt.evaluate`` judges starvation with a grace period so requests still in flight at the
+``lora_opt.placement.evaluate`` judges starvation with a grace period so requests still in flight at the
 window's end do not count against a GPU) or by superposing cyclically shifted copies (windows stay
 30 minutes; the halves then differ at random, by up to ~20 % at 3-4 copies).  Request
 lengths follow the ShareGPT model the surrogates were trained on (the papers did the same with
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lora_opt.placement import Adapter
-from lora_opt.workload import EvaluationConfig, PlacementEngine, Workload
+from lora_opt.placement.plan import Adapter
+from lora_opt.placement.workload_file import EvaluationConfig, PlacementEngine, Workload
 from twin.errors import ScenarioError
 from twin.profile import load_profile
 from twin.scenario import ArrivalConfig, LengthConfig, scenario_from_dict

@@ -3,7 +3,7 @@ a compiled predictor that answers in tens of nanoseconds.
 
 Method
 ------
-* Teacher: the tuned random forests of ``lora_opt.surrogate`` (throughput regressor and starvation
+* Teacher: the tuned random forests of ``lora_opt.surrogates.surrogate`` (throughput regressor and starvation
   classifier).  Student: one ``DecisionTreeRegressor`` per head with at most 32 leaves
   (``max_leaf_nodes=32``), i.e. at most 32 IF ... THEN rules per head.
 * Fitting points: the training split's features plus ``mixup`` points (convex combinations of two
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from lora_opt.features import FEATURES
-from lora_opt.surrogate import (MAX_FALSE_FEASIBLE, as_feature_matrix, choose_threshold, error_rates,
+from lora_opt.surrogates.features import FEATURES
+from lora_opt.surrogates.surrogate import (MAX_FALSE_FEASIBLE, as_feature_matrix, choose_threshold, error_rates,
                                 smape)
 from twin.errors import ScenarioError
 
@@ -242,7 +242,7 @@ class DistilledSurrogate:
         return out[:, 0], p < self.threshold, p
 
     def rules(self) -> str:
-        from lora_opt.features import DEFAULT_TOKENS_PER_REQUEST
+        from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
 
         head = RULES_HEADER.format(n_thr=self.throughput_tree.n_leaves, n_p=self.starvation_tree.n_leaves,
                                    tokens=DEFAULT_TOKENS_PER_REQUEST, threshold=self.threshold,

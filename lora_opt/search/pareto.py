@@ -14,8 +14,8 @@ import math
 import time
 from pathlib import Path
 
-from lora_opt.evaluate import Criterion, served_ok
-from lora_opt.search import (SearchSetup, Traffic, hypervolume, nondominated, objective_value, replay, replay_front,
+from lora_opt.placement.evaluate import Criterion, served_ok
+from lora_opt.search.study import (SearchSetup, Traffic, hypervolume, nondominated, objective_value, replay, replay_front,
                              run_search)
 
 METHODS = ("greedy-plus", "greedy", "search")
@@ -46,7 +46,7 @@ def run_pareto(wl, pool: int, ctx, *, criteria: list[Criterion], search_traffic:
     ``history_ctx``: a PlacementContext with observed requests for greedy-plus (else ``ctx``)."""
     from tqdm import tqdm
 
-    from lora_opt.policies import get_policy
+    from lora_opt.placement.policies import get_policy
 
     points: list[dict] = []
     cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
@@ -150,10 +150,10 @@ def write_outputs(result: dict, out: Path, title: str, command: str) -> list[Pat
 
 
 def run_pareto_cli(args) -> int:
-    from lora_opt.policies import PlacementContext
+    from lora_opt.placement.policies import PlacementContext
     from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
-    from lora_opt.search import traffic_halves
-    from lora_opt.workload import load_workload
+    from lora_opt.search.study import traffic_halves
+    from lora_opt.placement.workload_file import load_workload
 
     wl = load_workload(args.workload)
     criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)

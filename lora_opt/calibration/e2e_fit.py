@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from lora_opt import realruns
+from lora_opt.calibration import realruns
 from lora_opt.parallel import run_scenarios
 
 #: workload families each model is fitted on; the other half is the report half
@@ -50,7 +50,7 @@ PREFILL_SHARE_GRID = (0.0, 0.25, 0.5, 1.0)
 
 def split_rows(runs, model: str):
     """(fit half, report half) of the usable validation runs of ``model``."""
-    from lora_opt.fidelity import select_runs
+    from lora_opt.calibration.fidelity import select_runs
 
     rows = select_runs(runs[runs["model"] == model])
     fit = rows["experiment"].str.contains(FIT_HALF[model], regex=False)

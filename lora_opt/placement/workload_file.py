@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 
-from lora_opt.placement import Adapter
+from lora_opt.placement.plan import Adapter
 from twin.errors import ScenarioError
 from twin.scenario import (ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, check_rank,
                            read_config_file, scenario_from_dict)

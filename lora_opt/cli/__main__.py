@@ -1,0 +1,6 @@
+"""``python -m lora_opt.cli``: the ``lora-opt`` command line."""
+import sys
+
+from lora_opt.cli import main
+
+sys.exit(main())
