@@ -2,7 +2,7 @@
 import pytest
 
 from lora_opt.placement.workload_file import load_workload, workload_from_dict
-from twin.errors import ScenarioError
+from lora_opt.errors import InputError
 from twin.paths import CONFIGS_DIR
 
 P = "llama-3.1-8b-h100-64gb"
@@ -41,14 +41,14 @@ def test_groups_expand_with_default_prefix():
     ({"profile": "no-such-gpu", "adapters": [{"id": "a", "rank": 8, "rate": 1}]}, r"unknown profile 'no-such-gpu'"),
 ])
 def test_errors_name_the_field(data, match):
-    with pytest.raises(ScenarioError, match=match):
+    with pytest.raises(InputError, match=match):
         workload_from_dict(data)
 
 
 def test_missing_and_malformed_files(tmp_path):
-    with pytest.raises(ScenarioError, match="not found"):
+    with pytest.raises(InputError, match="not found"):
         load_workload(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("adapters: [ {id: a\n")
-    with pytest.raises(ScenarioError, match="not valid YAML"):
+    with pytest.raises(InputError, match="not valid YAML"):
         load_workload(bad)

@@ -23,13 +23,11 @@ from typing import Any
 import yaml
 
 from twin.errors import ScenarioError
+from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
 from twin.paths import PROFILES_DIR
 
 GIB = 1024**3
 MIB = 1024**2
-
-#: ``--max-lora-rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: Which requests define the "LoRA set" the scheduler's gate compares with ``max_loras``.
 #: 0.8.5 used the adapters of requests *scheduled* in this step; 0.33 uses all *running* requests.
@@ -220,8 +218,10 @@ class LoadingSpec:
 
 
 @dataclass(frozen=True)
-class EngineDefaults:
-    """Defaults of the vLLM version/GPU the profile describes, used where a scenario is silent."""
+class EngineDefaults(EngineFlagChecks):
+    """Defaults of the vLLM version/GPU the profile describes, used where a scenario is silent: a
+    typed subset of ``twin.flags.EngineFlags`` (what each flag means and allows is documented
+    there), checked by the same validator."""
 
     max_loras: int = 1
     """``--max-loras`` default."""
@@ -333,6 +333,8 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
     lat["lora"] = {int(r): _build(LoraOverheadSpec, v, f"{where}.latency.lora.{r}")
                    for r, v in (lat.get("lora") or {}).items()}
     load = {k: {int(r): float(v) for r, v in tab.items()} for k, tab in d["loading"].items()}
+    defaults = _build(EngineDefaults, d.get("defaults") or {}, f"{where}.defaults")
+    defaults.validate(f"{where}.defaults")
     return Profile(
         name=d["name"], vllm_version=str(d["vllm_version"]), lora_set_rule=d["lora_set_rule"],
         reserve_full_prompt=bool(d.get("reserve_full_prompt", True)),
@@ -341,7 +343,7 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
         memory=_build(MemorySpec, d["memory"], f"{where}.memory"),
         latency=_build(LatencySpec, lat, f"{where}.latency"),
         loading=_build(LoadingSpec, load, f"{where}.loading"),
-        defaults=_build(EngineDefaults, d.get("defaults") or {}, f"{where}.defaults"),
+        defaults=defaults,
         fit=d.get("fit") or {}, source=source,
     )
 

@@ -2,48 +2,48 @@
 
 Every field is a validated dataclass field with a docstring; errors name the field and the
 allowed values.  See ``configs/scenarios/example.yaml``.
+
+Code that makes scenarios (lora-opt's policies, dataset, evaluation, calibration, benchmarks)
+builds them with :func:`scenario_dict` / :func:`build_scenario` rather than by hand, so every
+scenario is assembled, and defaulted (:data:`DEFAULT_RHO`), in one place.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
-from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
+from twin.flags import VLLM_LORA_RANKS, EngineFlags, check_rank
+from twin.parsing import build_dataclass, check_choice, check_positive, read_config_file
+from twin.profile import Profile, load_profile
 
 ARRIVAL_PROCESSES = ("poisson", "lognormal", "nonstationary", "trace")
 LENGTH_SOURCES = ("sharegpt", "sharegpt-8k", "arxiv", "normal", "mean", "trace")
 TRACE_MAPPINGS = ("uniform", "powerlaw", "rates")
 ADAPTER_CACHE_POLICIES = ("lru", "fifo")
 
+#: The papers' starvation threshold: a GPU starves when its throughput is below rho x the incoming
+#: token rate.  The one default of rho everywhere (scenarios, workloads, grids, criteria).
+DEFAULT_RHO = 0.9
+
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """vLLM flags of the instance (same names as ``vllm serve``); None = the profile's default."""
+class EngineConfig(EngineFlags):
+    """A scenario's ``engine:`` section: the vLLM flags of the instance (``twin.flags.EngineFlags``,
+    same names as ``vllm serve``; None = the profile's default, and for ``max_lora_rank`` the
+    smallest allowed value that holds every adapter) plus the twin's adapter-cache policy."""
 
-    max_loras: int | None = None
-    """``--max-loras``: GPU adapter slots (A_max), >= 1."""
-    max_lora_rank: int | None = None
-    """``--max-lora-rank``: one of vLLM's allowed values 1 8 16 32 64 128 256 320 512; >= every
-    adapter's rank. None = the smallest allowed value that holds every adapter."""
-    max_cpu_loras: int | None = None
-    """``--max-cpu-loras``: CPU adapter cache, >= max_loras (None = max_loras, as vLLM)."""
-    max_num_seqs: int | None = None
-    """``--max-num-seqs``: cap on running requests."""
-    max_num_batched_tokens: int | None = None
-    """``--max-num-batched-tokens``: token budget of one step (chunked prefill)."""
-    gpu_memory_utilization: float | None = None
-    """``--gpu-memory-utilization``: fraction of device memory vLLM may use, in (0, 1]."""
-    max_model_len: int | None = None
-    """``--max-model-len``: None = the model's context; start-up needs KV for one such request."""
     adapter_cache_policy: str = "lru"
-    """GPU/CPU adapter cache eviction: lru (vLLM) or fifo."""
+    """GPU/CPU adapter cache eviction: lru (vLLM) or fifo.  Not a vLLM flag: a twin what-if."""
+
+    def validate(self, where: str = "engine", error: type[Exception] = ScenarioError) -> None:
+        """The flags' checks (``EngineFlags.validate``), then the cache policy's."""
+        super().validate(where, error)
+        check_choice(self.adapter_cache_policy, ADAPTER_CACHE_POLICIES, f"{where}.adapter_cache_policy", error)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Scenario:
     lengths: LengthConfig = LengthConfig()
     duration_s: float = 3600.0
     """Simulated seconds (> 0); requests still in flight at the end are not counted."""
-    rho: float = 0.9
+    rho: float = DEFAULT_RHO
     """Starvation threshold: starving when throughput < rho x incoming token rate; in (0, 1]."""
     seed: int = 0
     """Seed of every random draw (arrivals, lengths, mapping)."""
@@ -181,81 +181,11 @@ class Scenario:
 
 
 # ---- parsing and validation ------------------------------------------------------------------
-def _fields(cls) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _check_type(value, typ: str, where: str):
-    """Coerce/validate a YAML scalar against the annotation string of a dataclass field."""
-    allow_none = "None" in typ
-    if value is None:
-        if allow_none:
-            return None
-        raise ScenarioError(f"{where}: required, got null")
-    base = typ.replace(" | None", "").strip()
-    if base == "int":
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise ScenarioError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
-    if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ScenarioError(f"{where}: expected a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ScenarioError(f"{where}: expected a finite number, got {value!r}")
-        return float(value)
-    if base == "bool":
-        if not isinstance(value, bool):
-            raise ScenarioError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if base == "str":
-        if not isinstance(value, str):
-            raise ScenarioError(f"{where}: expected a string, got {value!r}")
-        return value
-    return value
-
-
-def _build(cls, data: Any, where: str, **nested):
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{where}: expected a mapping with fields {sorted(_fields(cls))}, got {data!r}")
-    fields = _fields(cls)
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ScenarioError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        if name in nested:
-            kwargs[name] = nested[name](value, f"{where}.{name}")
-        else:
-            kwargs[name] = _check_type(value, str(fields[name].type), f"{where}.{name}")
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ScenarioError(f"{where}: missing required field(s) {missing}")
-    return cls(**kwargs)
-
-
-def _choice(value, allowed, where):
-    if value not in allowed:
-        raise ScenarioError(f"{where}: {value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}")
-
-
-def _positive(value, where, strict=True):
-    if value is not None and (value <= 0 if strict else value < 0):
-        raise ScenarioError(f"{where}: must be {'> 0' if strict else '>= 0'}, got {value}")
-
-
-def check_rank(rank: int, where: str) -> None:
-    """A LoRA rank vLLM can serve: 1..the largest ``--max-lora-rank`` value."""
-    if not 1 <= rank <= max(VLLM_LORA_RANKS):
-        raise ScenarioError(f"{where}: {rank} outside 1..{max(VLLM_LORA_RANKS)} "
-                            f"(vLLM's max_lora_rank values: {list(VLLM_LORA_RANKS)})")
-
-
 def _parse_adapters(value, where) -> tuple[AdapterGroup, ...]:
     if not isinstance(value, list) or not value:
         raise ScenarioError(f"{where}: at least one adapter group is required "
                             "(a list of {{count, rank, rate}})")
-    groups = tuple(_build(AdapterGroup, g, f"{where}[{i}]") for i, g in enumerate(value))
+    groups = tuple(build_dataclass(AdapterGroup, g, f"{where}[{i}]") for i, g in enumerate(value))
     for i, g in enumerate(groups):
         w = f"{where}[{i}]"
         if g.count < 1:
@@ -268,23 +198,26 @@ def _parse_adapters(value, where) -> tuple[AdapterGroup, ...]:
     return groups
 
 
-def _parse_lengths(value, where) -> LengthConfig:
+def parse_lengths(value, where: str, error: type[Exception] = ScenarioError) -> LengthConfig:
+    """A ``lengths:`` section: a mapping of ``LengthConfig`` fields, or just the source's name; a
+    mapping with means but no source is ``normal``."""
     if isinstance(value, str):
         value = {"source": value}
     if isinstance(value, dict) and "source" not in value and ("mean_in" in value or "mean_out" in value):
         value = {"source": "normal", **value}
-    return _build(LengthConfig, value, where)
+    return build_dataclass(LengthConfig, value, where, error)
 
 
 def scenario_from_dict(data: Any, where: str = "scenario") -> Scenario:
+    """A validated ``Scenario`` from its YAML form (a mapping); ScenarioError names the field."""
     if not isinstance(data, dict):
         raise ScenarioError(f"{where}: expected a mapping at the top level")
-    sc = _build(Scenario, data, where,
-                adapters=_parse_adapters,
-                engine=lambda v, w: _build(EngineConfig, v, w),
-                arrivals=lambda v, w: _build(ArrivalConfig, v, w),
-                client=lambda v, w: _build(ClientConfig, v, w),
-                lengths=_parse_lengths)
+    sc = build_dataclass(Scenario, data, where,
+                         adapters=_parse_adapters,
+                         engine=lambda v, w: build_dataclass(EngineConfig, v, w),
+                         arrivals=lambda v, w: build_dataclass(ArrivalConfig, v, w),
+                         client=lambda v, w: build_dataclass(ClientConfig, v, w),
+                         lengths=parse_lengths)
     validate(sc, where)
     return sc
 
@@ -294,42 +227,30 @@ def validate(sc: Scenario, where: str = "scenario") -> None:
     e, a, ln = sc.engine, sc.arrivals, sc.lengths
     if not isinstance(sc.adapters, tuple) or not sc.adapters:
         raise ScenarioError(f"{where}.adapters: at least one adapter group is required")
-    _positive(sc.duration_s, f"{where}.duration_s")
-    _positive(sc.timeseries_interval_s, f"{where}.timeseries_interval_s")
+    check_positive(sc.duration_s, f"{where}.duration_s")
+    check_positive(sc.timeseries_interval_s, f"{where}.timeseries_interval_s")
     if not 0 < sc.rho <= 1:
         raise ScenarioError(f"{where}.rho: must be in (0, 1], got {sc.rho}")
     if sc.client.max_inflight is not None and sc.client.max_inflight < 1:
         raise ScenarioError(f"{where}.client.max_inflight: must be >= 1 (or null), got {sc.client.max_inflight}")
-    _choice(sc.client.overflow, OVERFLOW_POLICIES, f"{where}.client.overflow")
+    check_choice(sc.client.overflow, OVERFLOW_POLICIES, f"{where}.client.overflow")
     if sc.seed < 0:
         raise ScenarioError(f"{where}.seed: must be >= 0, got {sc.seed}")
+    e.validate(f"{where}.engine")
     if e.max_lora_rank is not None:
-        _choice(e.max_lora_rank, VLLM_LORA_RANKS, f"{where}.engine.max_lora_rank")
         too_big = [g.rank for g in sc.adapters if g.rank > e.max_lora_rank]
         if too_big:
             raise ScenarioError(f"{where}.engine.max_lora_rank: {e.max_lora_rank} is below adapter rank "
                                 f"{max(too_big)} (vLLM rejects such adapters)")
-    for name in ("max_loras", "max_num_seqs", "max_num_batched_tokens", "max_cpu_loras", "max_model_len"):
-        v = getattr(e, name)
-        if v is not None and v < 1:
-            raise ScenarioError(f"{where}.engine.{name}: must be >= 1, got {v}")
-    if e.max_cpu_loras is not None and e.max_loras is not None and e.max_cpu_loras < e.max_loras:
-        raise ScenarioError(f"{where}.engine.max_cpu_loras: {e.max_cpu_loras} must be >= max_loras "
-                            f"{e.max_loras} (vLLM: 'max_cpu_loras must be >= max_loras')")
-    if e.gpu_memory_utilization is not None and not 0 < e.gpu_memory_utilization <= 1:
-        raise ScenarioError(f"{where}.engine.gpu_memory_utilization: must be in (0, 1], "
-                            f"got {e.gpu_memory_utilization}")
-    _choice(e.adapter_cache_policy, ADAPTER_CACHE_POLICIES, f"{where}.engine.adapter_cache_policy")
-    _choice(a.process, ARRIVAL_PROCESSES, f"{where}.arrivals.process")
-    _choice(a.mapping, TRACE_MAPPINGS, f"{where}.arrivals.mapping")
+    check_choice(a.process, ARRIVAL_PROCESSES, f"{where}.arrivals.process")
+    check_choice(a.mapping, TRACE_MAPPINGS, f"{where}.arrivals.mapping")
     for name in ("cv", "window_s", "alpha", "time_scale", "rate_min_factor", "rate_max_factor"):
-        _positive(getattr(a, name), f"{where}.arrivals.{name}")
-    _positive(a.start_s, f"{where}.arrivals.start_s", strict=False)
+        check_positive(getattr(a, name), f"{where}.arrivals.{name}")
+    check_positive(a.start_s, f"{where}.arrivals.start_s", strict=False)
     if a.rate_min_factor > 1 or a.rate_max_factor < 1:
         raise ScenarioError(f"{where}.arrivals: need rate_min_factor <= 1 <= rate_max_factor")
     if a.process == "trace":
         if not a.trace:
-            from twin.workload import TRACES
             raise ScenarioError(f"{where}.arrivals.trace: required for process: trace; one of "
                                 f"{', '.join(TRACES)} or a CSV path")
         if a.mapping == "rates" and any(g.rate is None for g in sc.adapters):
@@ -339,28 +260,16 @@ def validate(sc: Scenario, where: str = "scenario") -> None:
         if missing:
             raise ScenarioError(f"{where}.adapters[{missing[0]}].rate: required (> 0 requests/s) "
                                 f"for arrivals.process: {a.process}")
-    _choice(ln.source, LENGTH_SOURCES, f"{where}.lengths.source")
+    check_choice(ln.source, LENGTH_SOURCES, f"{where}.lengths.source")
     if ln.source == "normal":
         if ln.mean_in is None or ln.mean_out is None:
             raise ScenarioError(f"{where}.lengths: source normal needs mean_in and mean_out")
     for name in ("mean_in", "mean_out"):
-        _positive(getattr(ln, name), f"{where}.lengths.{name}")
+        check_positive(getattr(ln, name), f"{where}.lengths.{name}")
     for name in ("std_in", "std_out"):
-        _positive(getattr(ln, name), f"{where}.lengths.{name}", strict=False)
+        check_positive(getattr(ln, name), f"{where}.lengths.{name}", strict=False)
     if ln.source == "trace" and a.process != "trace":
         raise ScenarioError(f"{where}.lengths.source: trace needs arrivals.process: trace")
-
-
-def read_config_file(path: str | Path, what: str = "scenario"):
-    """The parsed content of a YAML (or .json) file; ScenarioError if missing or malformed."""
-    p = Path(path)
-    if not p.exists():
-        raise ScenarioError(f"{what} file not found: {p}")
-    text = p.read_text()
-    try:
-        return json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -375,3 +284,48 @@ def replace(sc: Scenario, **changes) -> Scenario:
     out = dataclasses.replace(sc, **changes)
     validate(out)
     return out
+
+
+# ---- building scenarios in code --------------------------------------------------------------
+def _section(value) -> dict:
+    """A scenario section as its YAML mapping: a dataclass (``EngineConfig``, ``GPUConfig`` or any
+    ``EngineFlags``, ``ArrivalConfig``, ...) by its fields, a mapping copied."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return dict(value)
+
+
+def _adapter_entry(group) -> dict:
+    if isinstance(group, AdapterGroup):
+        return {k: v for k, v in dataclasses.asdict(group).items() if v is not None}
+    return dict(group)
+
+
+def scenario_dict(profile: str, adapters: Iterable[Mapping | AdapterGroup], *, engine=None, arrivals=None,
+                  lengths=None, duration_s: float | None = None, rho: float | None = None,
+                  seed: int | None = None, early_stop: bool | None = None, client=None) -> dict:
+    """A scenario in its YAML form (what :func:`scenario_from_dict` reads; plain data, so it can
+    travel to Ray workers and subprocesses), unvalidated.
+
+    ``adapters``: adapter groups, each a mapping ``{count, rank, rate[, id]}`` or an ``AdapterGroup``.
+    ``engine``: a mapping of ``EngineConfig`` fields or an engine-flags dataclass (a placement's
+    ``GPUConfig``).  ``arrivals`` / ``client``: a mapping or the dataclass.  ``lengths``: a mapping,
+    a ``LengthConfig`` or a source name.  A section or field left None is left out, so the
+    scenario's default applies (``Scenario`` documents them; rho's is :data:`DEFAULT_RHO`)."""
+    out: dict[str, Any] = {"profile": profile, "adapters": [_adapter_entry(g) for g in adapters]}
+    sections = {"engine": engine, "arrivals": arrivals, "client": client,
+                "lengths": {"source": lengths} if isinstance(lengths, str) else lengths}
+    out.update({k: _section(v) for k, v in sections.items() if v is not None})
+    scalars = {"duration_s": duration_s, "rho": rho, "seed": seed, "early_stop": early_stop}
+    out.update({k: v for k, v in scalars.items() if v is not None})
+    return out
+
+
+def build_scenario(profile: str, adapters: Iterable[Mapping | AdapterGroup], *, engine=None, arrivals=None,
+                   lengths=None, duration_s: float | None = None, rho: float | None = None,
+                   seed: int | None = None, early_stop: bool | None = None, client=None,
+                   where: str = "scenario") -> Scenario:
+    """The validated ``Scenario`` of :func:`scenario_dict` (same arguments); errors name ``where``."""
+    return scenario_from_dict(scenario_dict(profile, adapters, engine=engine, arrivals=arrivals, lengths=lengths,
+                                            duration_s=duration_s, rho=rho, seed=seed, early_stop=early_stop,
+                                            client=client), where)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from twin.bundled_data import LENGTH_FILES, TRACES
 from twin.errors import ScenarioError
-from twin.paths import DATA_DIR
 from twin.scenario import Scenario
 
 SHAREGPT_SIGMA_IN = 1.397
@@ -32,16 +32,6 @@ SHAREGPT_MU_IN = 5.0858
 SHAREGPT_MU_OUT = 4.7925
 PROMPT_MIN, PROMPT_MAX, OUTPUT_MIN, TOTAL_MAX = 4, 1024, 4, 2048
 
-TRACES = {
-    "azure-code": DATA_DIR / "traces" / "AzureLLMInferenceTrace_code.csv",
-    "azure-conv": DATA_DIR / "traces" / "AzureLLMInferenceTrace_conv.csv",
-    "mooncake-conversation": DATA_DIR / "traces" / "mooncake_conversation_trace.csv",
-    "mooncake-synthetic": DATA_DIR / "traces" / "mooncake_synthetic_trace.csv",
-}
-LENGTH_FILES = {
-    "sharegpt-8k": DATA_DIR / "lengths" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
-    "arxiv": DATA_DIR / "lengths" / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
-}
 # Accepted trace layouts: (time column, unit, prompt column, output column)
 TRACE_LAYOUTS = (
     ("TIMESTAMP", "datetime", "ContextTokens", "GeneratedTokens"),

@@ -17,6 +17,7 @@ import numpy as np
 
 from twin.errors import ScenarioError
 from twin.paths import DATA_DIR, PROFILES_DIR
+from twin.scenario import scenario_dict
 
 REAL_RUNS_CSV = DATA_DIR / "real_runs" / "real_runs_vllm_lora.csv"
 PEER_TWIN_CSV = DATA_DIR / "real_runs" / "peer_twin_validation.csv"
@@ -95,16 +96,9 @@ def run_to_scenario(row, lengths: str = "auto", seed: int | None = None) -> dict
                       "mean_out": float(row["total_output_tokens"]) / float(row["completed"])}
         if str(row["dataset"]).startswith("ShareGPT"):
             length_cfg = {"source": "mean"}      # the twin's ShareGPT means, 223 / 193
-    return {
-        "profile": MODEL_PROFILES[row["model"]],
-        "engine": engine,
-        "adapters": adapters,
-        "arrivals": {"process": "poisson"},
-        "lengths": length_cfg,
-        "duration_s": float(_num(row, "total_time", 3600)),
-        "client": dict(BENCHMARK_CLIENT),
-        "seed": run_seed(row) if seed is None else seed,
-    }
+    return scenario_dict(MODEL_PROFILES[row["model"]], adapters, engine=engine, arrivals={"process": "poisson"},
+                         lengths=length_cfg, duration_s=float(_num(row, "total_time", 3600)),
+                         client=BENCHMARK_CLIENT, seed=run_seed(row) if seed is None else seed)
 
 
 def workload_key(row) -> str:

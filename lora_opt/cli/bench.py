@@ -70,9 +70,12 @@ def _run(scenario: dict, repeats: int) -> dict:
 def bench_twin(out: str | None = None, repeats: int = 3) -> int:
     from tqdm import tqdm
 
+    from twin.scenario import scenario_dict
+
     rows = []
     for name, published, target, adapters, slots in tqdm(SCENARIOS, desc="bench twin", unit="scenario"):
-        sc = dict(BASE, adapters=adapters, engine=dict(BASE["engine"], max_loras=slots))
+        sc = scenario_dict(BASE["profile"], adapters, engine=dict(BASE["engine"], max_loras=slots),
+                           duration_s=BASE["duration_s"], seed=BASE["seed"])
         r = _run(sc, repeats)
         hours = sc["duration_s"] / 3600
         row = {"scenario": name, "wall_s_per_sim_hour": r["wall_s"] / hours, "published_s": published,

@@ -17,6 +17,7 @@ import numpy as np
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
+from twin.scenario import DEFAULT_RHO
 from twin.simulate import weighted_stats
 from twin.workload import Requests, generate_requests
 
@@ -64,8 +65,7 @@ def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed
             local[k] = j
         sel = np.flatnonzero(gpu_of == g)
         adapters = [dataclasses.replace(p.adapters[k], rate=p.adapters[k].rate * w) for k, w in on]
-        sc = evaluation_scenario(wl, adapters, engine={k: v for k, v in dataclasses.asdict(cfg).items()})
-        sc["duration_s"] = duration_s
+        sc = evaluation_scenario(wl, adapters, engine=cfg, duration_s=duration_s)
         jobs.append({"gpu": g, "scenario": sc,
                      "arrival": req.arrival[sel], "adapter": local[req.adapter[sel]].astype(np.int32),
                      "in_len": req.in_len[sel], "out_len": req.out_len[sel]})
@@ -116,7 +116,7 @@ GRACE_S = 60.0
 class Criterion:
     """When a GPU counts as serving its traffic (every part that is set must hold)."""
 
-    rho: float | None = 0.9
+    rho: float | None = DEFAULT_RHO
     """Fraction of due tokens served (the papers' starvation threshold); None = not checked."""
     ttft_ms: float | None = None
     """SLO: TTFT target; at least ``attainment`` of the due requests must meet it."""
@@ -292,7 +292,7 @@ def workload_from_placement(p: Placement):
     from lora_opt.placement.workload_file import PlacementEngine, Workload
 
     g = p.gpus[0]
-    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=float(p.meta.get("rho", 0.9)),
+    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=float(p.meta.get("rho", DEFAULT_RHO)),
                     engine=PlacementEngine(g.max_num_seqs, g.max_num_batched_tokens, g.gpu_memory_utilization,
                                            g.max_model_len),
                     name=str(p.meta.get("workload", "")))

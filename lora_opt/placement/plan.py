@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twin.errors import ScenarioError
+from twin.flags import EngineFlags
 from twin.profile import VLLM_LORA_RANKS, Profile
 
 
@@ -37,23 +38,24 @@ class Adapter:
 
 
 @dataclass(frozen=True)
-class GPUConfig:
-    """The flags of one vLLM instance (one GPU)."""
+class GPUConfig(EngineFlags):
+    """The flags of one vLLM instance (one GPU): ``twin.flags.EngineFlags`` (what each flag means
+    and allows is documented there) with every flag set -- placement.json pins them all, so an
+    instance never depends on a vLLM or model default (``field()`` makes each required again:
+    ``EngineFlags`` defaults them to None).  Not validated on construction:
+    :func:`placement_problems` is the independent checker that lists every problem of a placement."""
 
-    max_loras: int
-    """``--max-loras`` (A_max)."""
-    max_lora_rank: int
-    """``--max-lora-rank``: one of vLLM's allowed values, >= every rank routed here."""
-    max_cpu_loras: int
-    """``--max-cpu-loras`` (>= max_loras; >= the adapters routed here avoids disk loads)."""
-    max_num_seqs: int
-    """``--max-num-seqs``."""
-    max_num_batched_tokens: int
-    """``--max-num-batched-tokens``."""
-    gpu_memory_utilization: float
-    """``--gpu-memory-utilization``."""
-    max_model_len: int
-    """``--max-model-len`` (explicit, so start-up never depends on the model's default)."""
+    max_loras: int = field()
+    """A_max, chosen per GPU by the policy."""
+    max_lora_rank: int = field()
+    """The smallest allowed value >= every rank routed here."""
+    max_cpu_loras: int = field()
+    """>= max_loras; >= the adapters routed here avoids disk loads."""
+    max_num_seqs: int = field()
+    max_num_batched_tokens: int = field()
+    gpu_memory_utilization: float = field()
+    max_model_len: int = field()
+    """Explicit, so start-up never depends on the model's default."""
 
     def startup_check(self, profile: Profile) -> tuple[bool, int, str]:
         """(starts, KV tokens, reason) of this instance by the profile's memory model."""

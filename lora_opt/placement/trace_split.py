@@ -23,7 +23,7 @@ from lora_opt.placement.plan import Adapter
 from lora_opt.placement.workload_file import EvaluationConfig, PlacementEngine, Workload
 from twin.errors import ScenarioError
 from twin.profile import load_profile
-from twin.scenario import ArrivalConfig, LengthConfig, scenario_from_dict
+from twin.scenario import DEFAULT_RHO, ArrivalConfig, LengthConfig, build_scenario
 from twin.workload import Requests, draw_lengths, load_trace
 
 
@@ -74,7 +74,7 @@ def scaled_arrivals(t: np.ndarray, span: float, factor: float, scaling: str, rng
 
 
 def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate: float, seed: int = 0,
-                estimate_fraction: float = 0.5, lengths: str = "sharegpt", rho: float = 0.9,
+                estimate_fraction: float = 0.5, lengths: str = "sharegpt", rho: float = DEFAULT_RHO,
                 scaling: str = "compress", max_model_len: int | None = None) -> TraceSplit:
     """Spread ``trace``'s requests uniformly over ``n_adapters`` adapters (ranks drawn uniformly from
     ``ranks``), scale it to average ``target_rate`` req/s (``scaled_arrivals``), estimate rates on
@@ -95,9 +95,9 @@ def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate
     order = np.argsort(arr, kind="stable")
     arr, rows = arr[order], rows[order]
     adapter = rng_map.integers(0, n_adapters, arr.size)
-    sc = scenario_from_dict({"profile": profile, "adapters": [{"count": 1, "rank": 8, "rate": 1.0}],
-                             "lengths": {"source": lengths if lengths != "trace" else "sharegpt"}, "seed": seed},
-                            "trace split")
+    sc = build_scenario(profile, [{"count": 1, "rank": 8, "rate": 1.0}],
+                        lengths={"source": lengths if lengths != "trace" else "sharegpt"}, seed=seed,
+                        where="trace split")
     mml = max_model_len or load_profile(profile).model.max_model_len
     if lengths == "trace":
         from twin.workload import _fit_context

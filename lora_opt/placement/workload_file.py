@@ -9,25 +9,36 @@ flags every vLLM instance shares, and how ``lora-opt evaluate`` replays traffic 
     engine: {max_num_seqs: 2048, max_num_batched_tokens: 2048, gpu_memory_utilization: 0.9}
     evaluation: {arrivals: {process: poisson}, lengths: sharegpt, duration_s: 3600, seed: 0}
 
-Errors name the field and the allowed values (``ScenarioError``), like scenario files.
+Errors name the field and the allowed values, like scenario files; everything wrong in a workload
+file or a request log is an ``InputError`` (``lora_opt.errors``), including what the twin finds wrong
+in its profile or evaluation traffic.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
+from lora_opt.errors import InputError
 from lora_opt.placement.plan import Adapter
 from twin.errors import ScenarioError
-from twin.scenario import (ArrivalConfig, LengthConfig, _build, _check_type, _parse_lengths, check_rank,
-                           read_config_file, scenario_from_dict)
+from twin.flags import EngineFlagChecks, check_rank
+from twin.parsing import build_dataclass, check_type, read_config_file
+from twin.profile import load_profile
+from twin.scenario import (DEFAULT_RHO, ArrivalConfig, LengthConfig, parse_lengths, scenario_dict,
+                           scenario_from_dict)
+from twin.workload import Requests
 
 
 @dataclass(frozen=True)
-class PlacementEngine:
+class PlacementEngine(EngineFlagChecks):
     """Flags every instance of a placement shares (A_max, max_lora_rank and max_cpu_loras are
-    chosen per GPU).  The defaults are those the bundled surrogates were trained with."""
+    chosen per GPU): a typed subset of ``twin.flags.EngineFlags`` (what each flag means and allows
+    is documented there), checked by the same validator.  The defaults are those the bundled
+    surrogates were trained with."""
 
     max_num_seqs: int = 2048
     """``--max-num-seqs`` (pinned: vLLM's default depends on the GPU)."""
@@ -62,7 +73,7 @@ class Workload:
     """A bundled profile name or a path to a profile YAML (hardware + model + vLLM version)."""
     adapters: tuple[Adapter, ...]
     """Every adapter, groups expanded; ids unique."""
-    rho: float = 0.9
+    rho: float = DEFAULT_RHO
     """Starvation threshold: a GPU starves when throughput < rho x incoming token rate; in (0, 1]."""
     engine: PlacementEngine = PlacementEngine()
     evaluation: EvaluationConfig = EvaluationConfig()
@@ -76,7 +87,6 @@ class Workload:
         return sum(a.rate for a in self.adapters)
 
     def to_dict(self) -> dict:
-        import dataclasses
         d = dataclasses.asdict(self)
         d["adapters"] = [{k: v for k, v in a.items() if v is not None} for a in d["adapters"]]
         return d
@@ -89,99 +99,98 @@ _GROUP_KEYS = {"count", "rank", "rate", "prefix", "path_template"}
 def _parse_adapter_entry(i: int, entry: Any, where: str) -> list[Adapter]:
     w = f"{where}[{i}]"
     if not isinstance(entry, dict):
-        raise ScenarioError(f"{w}: expected a mapping {{id, rank, rate[, path]}} or a group "
-                            f"{{count, rank, rate[, prefix, path_template]}}, got {entry!r}")
+        raise InputError(f"{w}: expected a mapping {{id, rank, rate[, path]}} or a group "
+                         f"{{count, rank, rate[, prefix, path_template]}}, got {entry!r}")
     group = "count" in entry
     allowed = _GROUP_KEYS if group else _ADAPTER_KEYS
     unknown = sorted(set(entry) - allowed)
     if unknown:
-        raise ScenarioError(f"{w}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise InputError(f"{w}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
     for req in ("rank", "rate") + (("count",) if group else ("id",)):
         if req not in entry:
-            raise ScenarioError(f"{w}.{req}: required")
-    rank = _check_type(entry["rank"], "int", f"{w}.rank")
-    check_rank(rank, f"{w}.rank")
-    rate = _check_type(entry["rate"], "float", f"{w}.rate")
+            raise InputError(f"{w}.{req}: required")
+    rank = check_type(entry["rank"], "int", f"{w}.rank", InputError)
+    check_rank(rank, f"{w}.rank", InputError)
+    rate = check_type(entry["rate"], "float", f"{w}.rate", InputError)
     if rate < 0:
-        raise ScenarioError(f"{w}.rate: must be >= 0 requests/s, got {rate}")
+        raise InputError(f"{w}.rate: must be >= 0 requests/s, got {rate}")
     if not group:
-        aid = _check_type(entry["id"], "str", f"{w}.id")
+        aid = check_type(entry["id"], "str", f"{w}.id", InputError)
         if not aid or any(c.isspace() for c in aid) or "=" in aid:
-            raise ScenarioError(f"{w}.id: {aid!r} must be non-empty without spaces or '=' "
-                                "(it becomes --lora-modules id=path)")
-        path = _check_type(entry.get("path"), "str | None", f"{w}.path")
+            raise InputError(f"{w}.id: {aid!r} must be non-empty without spaces or '=' "
+                             "(it becomes --lora-modules id=path)")
+        path = check_type(entry.get("path"), "str | None", f"{w}.path", InputError)
         return [Adapter(aid, rank, rate, path)]
-    count = _check_type(entry["count"], "int", f"{w}.count")
+    count = check_type(entry["count"], "int", f"{w}.count", InputError)
     if count < 1:
-        raise ScenarioError(f"{w}.count: must be >= 1, got {count}")
-    prefix = _check_type(entry.get("prefix", f"g{i}-"), "str", f"{w}.prefix")
-    tmpl = _check_type(entry.get("path_template"), "str | None", f"{w}.path_template")
+        raise InputError(f"{w}.count: must be >= 1, got {count}")
+    prefix = check_type(entry.get("prefix", f"g{i}-"), "str", f"{w}.prefix", InputError)
+    tmpl = check_type(entry.get("path_template"), "str | None", f"{w}.path_template", InputError)
     if tmpl is not None and "{id}" not in tmpl:
-        raise ScenarioError(f"{w}.path_template: must contain '{{id}}', got {tmpl!r}")
+        raise InputError(f"{w}.path_template: must contain '{{id}}', got {tmpl!r}")
     return [Adapter(f"{prefix}{k}", rank, rate, tmpl.format(id=f"{prefix}{k}") if tmpl else None)
             for k in range(count)]
 
 
 def _parse_evaluation(value: Any, where: str) -> EvaluationConfig:
-    ev = _build(EvaluationConfig, value, where,
-                arrivals=lambda v, w: _build(ArrivalConfig, v, w), lengths=_parse_lengths)
+    ev = build_dataclass(EvaluationConfig, value, where, InputError,
+                         arrivals=lambda v, w: build_dataclass(ArrivalConfig, v, w, InputError),
+                         lengths=lambda v, w: parse_lengths(v, w, InputError))
     if not ev.duration_s > 0:
-        raise ScenarioError(f"{where}.duration_s: must be > 0, got {ev.duration_s}")
+        raise InputError(f"{where}.duration_s: must be > 0, got {ev.duration_s}")
     if ev.seed < 0:
-        raise ScenarioError(f"{where}.seed: must be >= 0, got {ev.seed}")
+        raise InputError(f"{where}.seed: must be >= 0, got {ev.seed}")
     return ev
 
 
 def workload_from_dict(data: Any, where: str = "workload") -> Workload:
+    """A validated ``Workload`` from its YAML form; InputError names the field."""
     if not isinstance(data, dict):
-        raise ScenarioError(f"{where}: expected a mapping at the top level")
+        raise InputError(f"{where}: expected a mapping at the top level")
     allowed = {"profile", "adapters", "rho", "engine", "evaluation", "name", "meta"}
     unknown = sorted(set(data) - allowed)
     if unknown:
-        raise ScenarioError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise InputError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
     if "profile" not in data:
-        raise ScenarioError(f"{where}.profile: required (a bundled profile name or a profile YAML path)")
-    profile = _check_type(data["profile"], "str", f"{where}.profile")
+        raise InputError(f"{where}.profile: required (a bundled profile name or a profile YAML path)")
+    profile = check_type(data["profile"], "str", f"{where}.profile", InputError)
     entries = data.get("adapters")
     if not isinstance(entries, list) or not entries:
-        raise ScenarioError(f"{where}.adapters: at least one adapter or group is required")
+        raise InputError(f"{where}.adapters: at least one adapter or group is required")
     adapters: list[Adapter] = []
     for i, e in enumerate(entries):
         adapters += _parse_adapter_entry(i, e, f"{where}.adapters")
     seen: set[str] = set()
     for a in adapters:
         if a.id in seen:
-            raise ScenarioError(f"{where}.adapters: duplicate adapter id {a.id!r}")
+            raise InputError(f"{where}.adapters: duplicate adapter id {a.id!r}")
         seen.add(a.id)
-    rho = _check_type(data.get("rho", 0.9), "float", f"{where}.rho")
+    rho = check_type(data.get("rho", DEFAULT_RHO), "float", f"{where}.rho", InputError)
     if not 0 < rho <= 1:
-        raise ScenarioError(f"{where}.rho: must be in (0, 1], got {rho}")
-    engine = _build(PlacementEngine, data.get("engine") or {}, f"{where}.engine")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-        v = getattr(engine, name)
-        if v is not None and v < 1:
-            raise ScenarioError(f"{where}.engine.{name}: must be >= 1, got {v}")
-    if not 0 < engine.gpu_memory_utilization <= 1:
-        raise ScenarioError(f"{where}.engine.gpu_memory_utilization: must be in (0, 1], "
-                            f"got {engine.gpu_memory_utilization}")
+        raise InputError(f"{where}.rho: must be in (0, 1], got {rho}")
+    engine = build_dataclass(PlacementEngine, data.get("engine") or {}, f"{where}.engine", InputError)
+    engine.validate(f"{where}.engine", InputError)
     ev = _parse_evaluation(data.get("evaluation") or {}, f"{where}.evaluation")
     meta = data.get("meta") or {}
     if not isinstance(meta, dict):
-        raise ScenarioError(f"{where}.meta: expected a mapping")
+        raise InputError(f"{where}.meta: expected a mapping")
     wl = Workload(profile=profile, adapters=tuple(adapters), rho=rho, engine=engine, evaluation=ev,
-                  name=_check_type(data.get("name", ""), "str", f"{where}.name"), meta=meta)
-    # the profile must exist and the evaluation traffic must make a valid scenario
-    from twin.profile import load_profile
-    load_profile(profile)
-    scenario_from_dict(evaluation_scenario(wl, wl.adapters[:1]), where)
+                  name=check_type(data.get("name", ""), "str", f"{where}.name", InputError), meta=meta)
+    # the profile must exist and the evaluation traffic must make a valid scenario: the twin's
+    # verdicts, reported as the workload file's fault
+    try:
+        load_profile(profile)
+        scenario_from_dict(evaluation_scenario(wl, wl.adapters[:1]), where)
+    except ScenarioError as exc:
+        raise InputError(str(exc)) from None
     return wl
 
 
 def load_workload(path: str | Path) -> Workload:
+    """Read and validate a workload YAML/JSON file (its name defaults to the file's stem)."""
     p = Path(path)
-    wl = workload_from_dict(read_config_file(p, "workload"), where=p.name)
+    wl = workload_from_dict(read_config_file(p, "workload", InputError), where=p.name)
     if not wl.name:
-        import dataclasses
         wl = dataclasses.replace(wl, name=p.stem)
     return wl
 
@@ -190,27 +199,19 @@ def load_workload(path: str | Path) -> Workload:
 IDLE_RATE = 1e-12
 
 
-def evaluation_scenario(wl: Workload, adapters, engine: dict | None = None) -> dict:
+def evaluation_scenario(wl: Workload, adapters, engine=None, duration_s: float | None = None) -> dict:
     """Scenario dict serving ``adapters`` with the workload's evaluation traffic (one adapter a
-    group, so each keeps its id)."""
-    import dataclasses
+    group, so each keeps its id).  ``engine``: a mapping of engine flags or a ``GPUConfig``;
+    ``duration_s``: default the evaluation's."""
     ev = wl.evaluation
-    return {
-        "profile": wl.profile,
-        "adapters": [{"count": 1, "rank": a.rank, "rate": max(a.rate, IDLE_RATE), "id": a.id} for a in adapters],
-        "engine": engine or {},
-        "arrivals": dataclasses.asdict(ev.arrivals),
-        "lengths": dataclasses.asdict(ev.lengths),
-        "duration_s": ev.duration_s, "rho": wl.rho, "seed": ev.seed,
-    }
+    return scenario_dict(
+        wl.profile, [{"count": 1, "rank": a.rank, "rate": max(a.rate, IDLE_RATE), "id": a.id} for a in adapters],
+        engine=engine or {}, arrivals=ev.arrivals, lengths=ev.lengths,
+        duration_s=ev.duration_s if duration_s is None else duration_s, rho=wl.rho, seed=ev.seed)
 
 
 def _rates_from_requests(wl: Workload, adapter, span: float) -> tuple[Adapter, ...]:
     """The workload's adapters with rate = their requests in ``adapter`` (indices) / ``span`` s."""
-    import dataclasses
-
-    import numpy as np
-
     counts = np.bincount(adapter, minlength=len(wl.adapters))
     return tuple(dataclasses.replace(a, rate=float(c) / span) for a, c in zip(wl.adapters, counts))
 
@@ -222,45 +223,40 @@ def load_request_log(wl: Workload, path: str | Path):
     CSV columns: ``timestamp_s`` (seconds, any origin) or ``timestamp`` (date-time), ``adapter``
     (an id of the workload), ``input_tokens``, ``output_tokens``.  greedy-plus verifies GPUs on
     these requests (bursts included) instead of Poisson traffic."""
-    import dataclasses
-
-    import numpy as np
-    import pandas as pd
-
-    from twin.workload import Requests
+    import pandas as pd  # heavy optional dependency: only reading a request log needs it
 
     p = Path(path)
     if not p.exists():
-        raise ScenarioError(f"request log not found: {p}")
+        raise InputError(f"request log not found: {p}")
     try:
         df = pd.read_csv(p)
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
-        raise ScenarioError(f"request log {p}: cannot be read as CSV: {exc}") from None
+        raise InputError(f"request log {p}: cannot be read as CSV: {exc}") from None
     tcol = "timestamp_s" if "timestamp_s" in df.columns else ("timestamp" if "timestamp" in df.columns else None)
     missing = [c for c in ("adapter", "input_tokens", "output_tokens") if c not in df.columns]
     if tcol is None or missing:
-        raise ScenarioError(f"request log {p}: needs columns timestamp_s (or timestamp), adapter, input_tokens, "
-                            f"output_tokens; missing {missing + ([] if tcol else ['timestamp_s'])}")
+        raise InputError(f"request log {p}: needs columns timestamp_s (or timestamp), adapter, input_tokens, "
+                         f"output_tokens; missing {missing + ([] if tcol else ['timestamp_s'])}")
     if len(df) == 0:
-        raise ScenarioError(f"request log {p}: no requests")
+        raise InputError(f"request log {p}: no requests")
     t = (pd.to_datetime(df[tcol], errors="coerce") if tcol == "timestamp"
          else pd.to_numeric(df[tcol], errors="coerce"))
     if t.isna().any():
         row = int(np.flatnonzero(t.isna().to_numpy())[0])
-        raise ScenarioError(f"request log {p} line {row + 2}: bad {tcol} value {df[tcol].iloc[row]!r}")
+        raise InputError(f"request log {p} line {row + 2}: bad {tcol} value {df[tcol].iloc[row]!r}")
     t = ((t - t.min()).dt.total_seconds() if tcol == "timestamp" else t - t.min()).to_numpy(float)
     index = {a.id: k for k, a in enumerate(wl.adapters)}
     ids = df["adapter"].astype(str)
     unknown = sorted(set(ids) - set(index))
     if unknown:
-        raise ScenarioError(f"request log {p}: adapter(s) not in the workload: {', '.join(unknown[:5])}"
-                            f"{' ...' if len(unknown) > 5 else ''}")
+        raise InputError(f"request log {p}: adapter(s) not in the workload: {', '.join(unknown[:5])}"
+                         f"{' ...' if len(unknown) > 5 else ''}")
     ins = pd.to_numeric(df["input_tokens"], errors="coerce")
     outs = pd.to_numeric(df["output_tokens"], errors="coerce")
     bad = ins.isna() | outs.isna() | (ins < 1) | (outs < 1)
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise ScenarioError(f"request log {p} line {row + 2}: input_tokens and output_tokens must be integers >= 1")
+        raise InputError(f"request log {p} line {row + 2}: input_tokens and output_tokens must be integers >= 1")
     span = float(t.max()) if t.max() > 0 else 1.0
     adapter = ids.map(index).to_numpy(np.int64)
     order = np.argsort(t, kind="stable")
@@ -274,12 +270,6 @@ def load_request_log(wl: Workload, path: str | Path):
 def split_request_log(wl: Workload, req, span: float):
     """(workload with rates from the first half of the log, first-half requests, second-half
     requests shifted to start at 0, the split time): estimate on one half, judge on the other."""
-    import dataclasses
-
-    import numpy as np
-
-    from twin.workload import Requests
-
     half = span / 2.0
     first = req.arrival < half
     adapters = _rates_from_requests(wl, req.adapter[first], half)

@@ -28,6 +28,7 @@ from lora_opt.surrogates.features import gpu_features
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
 from twin.profile import VLLM_LORA_RANKS
+from twin.scenario import DEFAULT_RHO, scenario_dict
 
 GRIDS_DIR = REPO_ROOT / "configs" / "grids"
 METRICS_FLAT = {  # result key -> column(s)
@@ -53,7 +54,7 @@ class Grid:
     """Simulated seconds per point."""
     early_stop: bool = True
     """Stop a point as soon as starvation is certain (recorded in ``stopped_early_s``)."""
-    rho: float = 0.9
+    rho: float = DEFAULT_RHO
     """Starvation threshold of the labels."""
     seed: int = 0
     """Point ``i`` is simulated with seed ``seed + i``."""
@@ -163,14 +164,12 @@ def point_scenario(point: dict, point_id: int, grid: Grid, profile: str) -> dict
     adapters = [{"count": c, "rank": r, "rate": q}
                 for c, r, q in zip(split_counts(point["n"], grid.groups), point["ranks"], point["rates"]) if c > 0]
     max_rank = next(r for r in VLLM_LORA_RANKS if r >= max(point["ranks"]))
-    return {
-        "profile": profile,
-        "engine": {**grid.engine, "max_loras": point["max_loras"], "max_lora_rank": max_rank,
-                   "max_cpu_loras": max(point["n"], point["max_loras"])},
-        "adapters": adapters, "arrivals": {"process": "poisson"}, "lengths": {"source": grid.lengths},
-        "duration_s": grid.duration_s, "rho": grid.rho, "seed": grid.seed + point_id,
-        "early_stop": grid.early_stop,
-    }
+    return scenario_dict(
+        profile, adapters,
+        engine={**grid.engine, "max_loras": point["max_loras"], "max_lora_rank": max_rank,
+                "max_cpu_loras": max(point["n"], point["max_loras"])},
+        arrivals={"process": "poisson"}, lengths={"source": grid.lengths},
+        duration_s=grid.duration_s, rho=grid.rho, seed=grid.seed + point_id, early_stop=grid.early_stop)
 
 
 def _per_adapter(point: dict, groups: int) -> tuple[list[int], list[float]]:

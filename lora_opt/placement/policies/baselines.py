@@ -78,14 +78,14 @@ def single_adapter_capacity(profile_name: str, rank: int, mnbt: int, mns: int, u
     """The twin's throughput (tok/s) for one adapter of this rank at a saturating rate: LoRAServe's
     per-rank operating point ("the maximum profiled throughput for a single adapter")."""
     import twin
-    from twin.scenario import scenario_from_dict
+    from twin.scenario import build_scenario
 
     eng = {"max_loras": 1, "max_lora_rank": lora_rank_for([rank]), "max_num_batched_tokens": mnbt,
            "max_num_seqs": mns, "gpu_memory_utilization": util}
     if mml:
         eng["max_model_len"] = mml
-    sc = scenario_from_dict({"profile": profile_name, "adapters": [{"count": 1, "rank": rank, "rate": rate}],
-                             "engine": eng, "duration_s": duration_s, "seed": 0})
+    sc = build_scenario(profile_name, [{"count": 1, "rank": rank, "rate": rate}], engine=eng,
+                        duration_s=duration_s, seed=0)
     return float(twin.simulate(sc).throughput_tok_s)
 
 

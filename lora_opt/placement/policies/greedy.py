@@ -285,10 +285,8 @@ class GreedyPlus(_GreedyBase):
         looks fine).  The traffic: the observed requests of its adapters (``ctx.history``) with
         time compressed by 1 + margin -- bursts included -- or, without history, Poisson arrivals
         at the expected rates for ``verify_s`` seconds with the workload's lengths."""
-        import dataclasses
-
         import twin
-        from twin.scenario import scenario_from_dict
+        from twin.scenario import build_scenario
         from twin.workload import Requests
 
         from lora_opt.placement.evaluate import GRACE_S, Criterion
@@ -298,15 +296,7 @@ class GreedyPlus(_GreedyBase):
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
         criterion = self.criterion or Criterion(rho=wl.rho)
         f = 1.0 + self.margin
-        # early stop only certifies a served fraction below rho (graced like the judge below); a
-        # latency-only criterion needs the whole run
-        spec = {
-            "profile": wl.profile, "engine": dataclasses.asdict(cfg),
-            "adapters": [{"count": 1, "rank": a.rank, "rate": max(a.rate * f, IDLE_RATE)} for a in ads],
-            "arrivals": {"process": "poisson"}, "lengths": dataclasses.asdict(wl.evaluation.lengths),
-            "duration_s": self.verify_s, "rho": criterion.rho if criterion.rho is not None else wl.rho,
-            "seed": wl.evaluation.seed, "early_stop": criterion.rho is not None}
-        requests = None
+        duration_s, requests = self.verify_s, None
         if ctx.history is not None:
             h = ctx.history
             local = np.full(len(wl.adapters), -1, np.int64)
@@ -315,9 +305,15 @@ class GreedyPlus(_GreedyBase):
             requests = Requests(arrival=np.ascontiguousarray(h.arrival[sel] / f),
                                 adapter=local[h.adapter[sel]].astype(np.int32),
                                 in_len=h.in_len[sel], out_len=h.out_len[sel])
-            spec["duration_s"] = ctx.history_s / f
-        res = twin.simulate(scenario_from_dict(spec, "greedy-plus verification"), requests=requests,
-                            stop_grace_s=GRACE_S)
+            duration_s = ctx.history_s / f
+        # early stop only certifies a served fraction below rho (graced like the judge below); a
+        # latency-only criterion needs the whole run
+        adapters = [{"count": 1, "rank": a.rank, "rate": max(a.rate * f, IDLE_RATE)} for a in ads]
+        sc = build_scenario(wl.profile, adapters, engine=cfg, arrivals={"process": "poisson"},
+                            lengths=wl.evaluation.lengths, duration_s=duration_s,
+                            rho=criterion.rho if criterion.rho is not None else wl.rho, seed=wl.evaluation.seed,
+                            early_stop=criterion.rho is not None, where="greedy-plus verification")
+        res = twin.simulate(sc, requests=requests, stop_grace_s=GRACE_S)
         self.twin_calls += 1
         if res.status != "ok":
             return False
