@@ -27,6 +27,7 @@ def test_json_accepted(tmp_path):
     (lambda s: s["adapters"].__setitem__(0, {"count": 1, "rank": 1024, "rate": 1}), ["rank", "1024"]),
     (lambda s: s["engine"].update(max_lora_rank=8), ["max_lora_rank", "below adapter rank 16"]),
     (lambda s: s["engine"].update(max_cpu_loras=2), ["max_cpu_loras", ">= max_loras"]),
+    (lambda s: s["engine"].update(max_num_seqs=1024), ["engine.max_num_batched_tokens", ">= max_num_seqs 1024"]),
     (lambda s: s["adapters"].__setitem__(0, {"count": 1, "rank": 8, "rate": 0}), ["adapters[0].rate", "> 0"]),
     (lambda s: s["adapters"].__setitem__(0, {"count": 1, "rank": 8, "rate": -2}), ["rate", "> 0"]),
     (lambda s: s.update(adapters=[]), ["adapters", "at least one"]),

@@ -36,6 +36,8 @@ def test_groups_expand_with_default_prefix():
     ({"profile": P, "rho": 1.5, "adapters": [{"id": "a", "rank": 8, "rate": 1}]}, r"rho: must be in \(0, 1\]"),
     ({"profile": P, "engine": {"gpu_memory_utilization": 2}, "adapters": [{"id": "a", "rank": 8, "rate": 1}]},
      r"engine.gpu_memory_utilization"),
+    ({"profile": P, "engine": {"max_num_seqs": 4096}, "adapters": [{"id": "a", "rank": 8, "rate": 1}]},
+     r"engine.max_num_batched_tokens: 2048 must be >= max_num_seqs 4096"),
     ({"profile": P, "evaluation": {"arrivals": {"process": "bursty"}}, "adapters": [{"id": "a", "rank": 8, "rate": 1}]},
      r"arrivals.process: 'bursty' is not allowed; allowed values: poisson"),
     ({"profile": "no-such-gpu", "adapters": [{"id": "a", "rank": 8, "rate": 1}]}, r"unknown profile 'no-such-gpu'"),
