@@ -5,7 +5,8 @@ and ``SchedulerConfig`` in ``vllm/config/``).
 vLLM's default in the docstring under each field -- and :meth:`EngineFlagChecks.validate` holds
 every check on them, the per-field ones and the cross-field rules vLLM enforces at start-up
 (``max_cpu_loras >= max_loras``, ``max_num_batched_tokens >= max_num_seqs``).  A flag left None
-is unset (vLLM's, or the profile's, default applies) and is not checked.
+is unset (vLLM's, or the profile's, default applies) and is not checked: the rules compare the
+flags a file sets, not the profile's defaults filled in later (``Scenario.resolved_engine``).
 
 Four places hold engine flags, each in the form its file has always had (their YAML/JSON keys are
 part of the user-facing formats and do not change):
