@@ -414,12 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from twin.errors import ScenarioError
+    from lora_opt.errors import BAD_INPUT
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ScenarioError as exc:
+    except BAD_INPUT as exc:
         print(f"lora-opt {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
