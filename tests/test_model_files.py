@@ -93,9 +93,14 @@ def test_the_payloads_are_real(tmp_path):
     """Without the checks, each crafted file does create the marker (so the tests below have teeth)."""
     import skops.io as sio
 
-    m1, m2 = tmp_path / "m1", tmp_path / "m2"
+    import joblib
+
+    m1, m2, m3 = tmp_path / "m1", tmp_path / "m2", tmp_path / "m3"
     pickle.loads(pickle_payload(m1))
     assert m1.exists()
+    (tmp_path / "surrogate.joblib").write_bytes(pickle_payload(m3))
+    joblib.load(tmp_path / "surrogate.joblib")                  # what Surrogate.load used to do
+    assert m3.exists()
     sio.loads(skops_payload(m2), trusted=["builtins.exec"])
     assert m2.exists()
 
@@ -194,3 +199,21 @@ def test_every_family_saves_and_loads_with_the_fixed_trusted_list(tmp_path):
             back = Surrogate.load(sur.save(out))
             for a, b in zip(sur.predict(X), back.predict(X)):
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["pickle", "skops"])
+def test_models_read_back_from_mlflow_go_through_the_fixed_list(tmp_path, kind):
+    """An MLflow model directory (as a run's artifact) holding a pickle, or a skops file with an
+    untrusted type, is refused by model_files.load_logged_model, whatever its MLmodel file trusts."""
+    marker = tmp_path / "marker"
+    d = tmp_path / "logged"
+    d.mkdir()
+    (d / "MLmodel").write_text("flavors:\n  sklearn:\n    serialization_format: skops\n"
+                               "    skops_trusted_types: [builtins.exec]\n")
+    if kind == "pickle":
+        (d / "model.pkl").write_bytes(pickle_payload(marker))
+    else:
+        (d / "model.skops").write_bytes(skops_payload(marker))
+    with pytest.raises(InputError, match="pickle" if kind == "pickle" else "builtins.exec"):
+        model_files.load_logged_model(str(d))
+    assert not marker.exists()

@@ -98,7 +98,7 @@ def refuse_pickle(path) -> None:
     """InputError if ``path`` is an existing pickle file (e.g. an older lora-opt's surrogate.joblib)."""
     target = Path(path)
     if target.suffix.lower() in PICKLE_SUFFIXES and target.is_file():
-        raise InputError(f"{target}: a pickle (joblib) model file; lora-opt does not load pickle files "
+        raise InputError(f"{target}: a pickle (joblib) file; lora-opt does not load pickle files "
                          f"(unpickling runs code). Expected {MANIFEST_NAME} + {MODEL_NAME} (format {FORMAT}), "
                          "as `lora-opt train` writes them: train the surrogate again, or use the bundled one")
 
@@ -193,6 +193,7 @@ def load_logged_model(model_uri: str):
     local = Path(mlflow.artifacts.download_artifacts(model_uri))
     skops_file = local / "model.skops"          # MLflow's file name in its skops format
     if not skops_file.is_file():
-        refuse_pickle(local / "model.pkl")
-        raise InputError(f"{model_uri}: no model.skops in the logged model; lora-opt loads only skops models")
+        pickled = ", a pickle (model.pkl), which lora-opt never loads" if (local / "model.pkl").exists() else ""
+        raise InputError(f"{model_uri}: no model.skops in the logged model{pickled}; lora-opt loads only "
+                         "models logged in skops format (reporting.log_sklearn_model)")
     return load_trusted(skops_file.read_bytes(), f"{model_uri} (model.skops)")
