@@ -4,7 +4,7 @@ import pytest
 
 from lora_opt.surrogates.distill import DistilledSurrogate
 from lora_opt.surrogates.features import feature_matrix, gpu_features
-from lora_opt.surrogates.surrogate import Surrogate
+from lora_opt.surrogates.oracle import Oracle, Surrogate
 from twin.paths import CONFIGS_DIR
 
 BUNDLED = sorted(p for p in (CONFIGS_DIR / "surrogates").iterdir() if p.is_dir())
@@ -19,7 +19,8 @@ def test_bundled_surrogate_answers(path):
     light = gpu_features([8] * 16, [0.05] * 16, max_loras=16)           # 16 adapters, 0.8 req/s in all
     heavy = gpu_features([32] * 384, [3.2] * 384, max_loras=384)        # cannot even start (OOM)
     X = feature_matrix([light, heavy])
-    for model in (Surrogate.load(path / "surrogate.joblib"), DistilledSurrogate.load(path / "distilled.json")):
+    for model in (Surrogate.load(path / "surrogate.json"), DistilledSurrogate.load(path / "distilled.json")):
+        assert isinstance(model, Oracle)
         thr, feasible, p_starving = model.predict(X)
         assert feasible.tolist() == [True, False]
         # the light GPU serves what arrives: ~0.8 req/s x 416 tokens

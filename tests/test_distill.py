@@ -10,7 +10,9 @@ from hypothesis.extra.numpy import arrays
 from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor
 
 from lora_opt.surrogates import distill as dl
-from lora_opt.surrogates import surrogate as sg
+from lora_opt.surrogates import training
+from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE
+from lora_opt.surrogates.training_data import prepare
 from lora_opt.surrogates.features import FEATURES
 from test_surrogate import twin_frame
 from twin.errors import ScenarioError
@@ -18,18 +20,18 @@ from twin.errors import ScenarioError
 
 @pytest.fixture(scope="module")
 def data():
-    return sg.prepare(twin_frame(), seed=0)
+    return prepare(twin_frame(), seed=0)
 
 
 @pytest.fixture(scope="module")
 def teachers(data):
     """Small random forests (as train_surrogates would return them), OOF P(starving)."""
     rows = data.train[data.measured[data.train]]
-    reg = sg.make_regressor("rf").set_params(regressor__model__n_estimators=30)
+    reg = training.make_regressor("rf").set_params(regressor__model__n_estimators=30)
     reg.fit(data.X[rows], data.throughput[rows])
-    clf = sg.make_classifier("rf").set_params(model__n_estimators=30, model__min_samples_leaf=2)
+    clf = training.make_classifier("rf").set_params(model__n_estimators=30, model__min_samples_leaf=2)
     Xtr, ytr = data.X[data.train], data.starving[data.train]
-    p_oof = sg._oof(clf, Xtr, ytr, head="classifier", folds=5, seed=0)
+    p_oof = training._oof(clf, Xtr, ytr, head="classifier", folds=5, seed=0)
     clf.fit(Xtr, ytr)
     return reg, clf, p_oof
 
@@ -82,7 +84,7 @@ def test_distilled_students_match_their_trees_and_rules(data, teachers):
     t_tree, t_flat = dl.distill_throughput(reg, np.vstack([Xtr, extra]))
     p_tree, p_flat, threshold, oof = dl.distill_starvation(clf, Xtr, ytr, extra, p_teacher_train=p_oof)
     assert t_tree.get_n_leaves() <= 32 and p_tree.get_n_leaves() <= 32
-    assert oof["false_feasible_rate"] <= sg.MAX_FALSE_FEASIBLE
+    assert oof["false_feasible_rate"] <= MAX_FALSE_FEASIBLE
     P = probe_rows(data.X, [t_tree, p_tree])
     dist = dl.DistilledSurrogate(t_flat, p_flat, threshold)
     thr, feasible, p = dist.predict(P)
@@ -146,7 +148,7 @@ def test_report_accuracy_and_latency(data, teachers):
     assert rep["leaves"]["throughput"] <= 32 and rep["leaves"]["starvation"] <= 32
     assert np.isfinite(rep["throughput"]["smape_increase"]) and rep["throughput"]["distilled_smape"] < 60
     assert 0 <= rep["starvation"]["decision_agreement"] <= 1
-    assert rep["oof"]["false_feasible_rate"] <= sg.MAX_FALSE_FEASIBLE
+    assert rep["oof"]["false_feasible_rate"] <= MAX_FALSE_FEASIBLE
     lat = rep["latency"]
     # the target is <= 100 ns on an idle core; the bound here only catches a broken (uncompiled) path
     assert 0 < lat["batch_ns_per_prediction"] < 2000 and lat["single_call_kernel_ns"] < 50_000

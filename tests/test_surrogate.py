@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lora_opt.surrogates import dataset as ds
-from lora_opt.surrogates import surrogate as sg
+from lora_opt.surrogates import metrics as sm
+from lora_opt.surrogates import model_files, reporting, training
+from lora_opt.surrogates.oracle import Oracle, Surrogate, as_feature_matrix
 from lora_opt.surrogates.features import FEATURES
 from twin.errors import ScenarioError
 
@@ -67,7 +69,7 @@ def trained(tmp_path_factory):
     base = tmp_path_factory.mktemp("surrogate")
     data_dir = write_shards(twin_frame(), base / "data")
     uri = f"sqlite:///{base}/m.db"
-    metrics = sg.train_cli(data_dir, base / "out", tracking_uri=uri, fast=True)
+    metrics = training.train_cli(data_dir, base / "out", tracking_uri=uri, fast=True)
     return {"metrics": metrics, "out": base / "out", "data": data_dir, "uri": uri, "base": base}
 
 
@@ -79,7 +81,7 @@ def test_dataset_has_both_classes_and_oom():
 
 def test_train_cli_writes_files_and_metrics(trained):
     out, m = trained["out"], trained["metrics"]
-    for name in ("surrogate.joblib", "distilled.json", "rules.txt", "metrics.json",
+    for name in ("surrogate.json", "surrogate.skops", "distilled.json", "rules.txt", "metrics.json",
                  "plots/throughput_pred_vs_real.png", "plots/starvation_confusion.png"):
         assert (out / name).is_file(), name
     on_disk = json.loads((out / "metrics.json").read_text())
@@ -98,8 +100,8 @@ def test_train_cli_writes_files_and_metrics(trained):
 
 def test_threshold_keeps_false_feasible_under_one_percent_where_chosen(trained):
     for fam, c in trained["metrics"]["classifier"].items():
-        assert c["oof"]["false_feasible_rate"] <= sg.MAX_FALSE_FEASIBLE, fam
-    assert trained["metrics"]["distilled"]["oof"]["false_feasible_rate"] <= sg.MAX_FALSE_FEASIBLE
+        assert c["oof"]["false_feasible_rate"] <= sm.MAX_FALSE_FEASIBLE, fam
+    assert trained["metrics"]["distilled"]["oof"]["false_feasible_rate"] <= sm.MAX_FALSE_FEASIBLE
 
 
 @settings(max_examples=60, deadline=None)
@@ -108,7 +110,7 @@ def test_threshold_keeps_false_feasible_under_one_percent_where_chosen(trained):
 def test_choose_threshold_bound_and_maximality(rows, bound):
     p = np.array([r[0] for r in rows])
     y = np.array([int(r[1]) for r in rows])
-    t = sg.choose_threshold(p, y, bound)
+    t = sm.choose_threshold(p, y, bound)
     ff = ((y == 1) & (p < t)).sum()
     assert ff <= bound * max(1, (y == 1).sum()) + 1e-9
     if (y == 1).any() and t <= 1.0:      # any larger threshold would call one more starving row feasible
@@ -117,11 +119,12 @@ def test_choose_threshold_bound_and_maximality(rows, bound):
 
 
 def test_surrogate_save_load_identical(trained, tmp_path):
-    sur = sg.Surrogate.load(trained["out"] / "surrogate.joblib")
+    sur = Surrogate.load(trained["out"] / "surrogate.json")
+    assert isinstance(sur, Oracle)
     X = twin_frame().loc[:, list(FEATURES)].to_numpy()
     a = sur.predict(X)
-    sur.save(tmp_path / "s.joblib")
-    b = sg.Surrogate.load(tmp_path / "s.joblib").predict(X)
+    assert sur.save(tmp_path / "s") == tmp_path / "s" / "surrogate.json"
+    b = Surrogate.load(tmp_path / "s").predict(X)          # the directory works too
     for u, v in zip(a, b):
         np.testing.assert_array_equal(u, v)
     assert sur.metadata["dataset_hash"] == trained["metrics"]["dataset"]["sha256_16"]
@@ -143,38 +146,44 @@ def test_mlflow_run_models_and_registry(trained):
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"plots", "distilled.json", "rules.txt", "metrics.json"} <= arts
     assert str(trained["base"]) in run.info.artifact_uri                     # not the repo's mlruns/
-    for name in sg.REGISTERED_NAMES.values():
+    for name in reporting.REGISTERED_NAMES.values():
         assert client.search_model_versions(f"name='{name}'")
-    model = mlflow.sklearn.load_model(f"models:/{sg.REGISTERED_NAMES['regressor']}/1")
+    model = mlflow.sklearn.load_model(f"models:/{reporting.REGISTERED_NAMES['regressor']}/1")
     X = twin_frame().loc[:, list(FEATURES)].to_numpy()[:50]
-    sur = sg.Surrogate.load(trained["out"] / "surrogate.joblib")
+    sur = Surrogate.load(trained["out"])
     np.testing.assert_array_equal(model.predict(X), sur.regressor.predict(X))
+    # lora-opt's own reader of logged models: MLflow's model file through the fixed trusted list
+    ours = model_files.load_logged_model(f"models:/{reporting.REGISTERED_NAMES['regressor']}/1")
+    np.testing.assert_array_equal(ours.predict(X), sur.regressor.predict(X))
+    flavor = mlflow.models.get_model_info(f"models:/{reporting.REGISTERED_NAMES['regressor']}/1").flavors["sklearn"]
+    assert flavor["serialization_format"] == "skops"
+    assert flavor["skops_trusted_types"] == list(model_files.TRUSTED_TYPES)
 
 
 def test_missing_columns_and_empty_dataset_raise(tmp_path):
     df = twin_frame()
     with pytest.raises(ScenarioError, match="rate_sum.*max_loras"):
-        sg.train_surrogates(df.drop(columns=["rate_sum", "max_loras"]), tmp_path, fast=True, track=False)
+        training.train_surrogates(df.drop(columns=["rate_sum", "max_loras"]), tmp_path, fast=True, track=False)
     with pytest.raises(ScenarioError, match="no rows"):
-        sg.train_surrogates(df.iloc[:0], tmp_path, fast=True, track=False)
+        training.train_surrogates(df.iloc[:0], tmp_path, fast=True, track=False)
     with pytest.raises(ScenarioError, match="no columns"):
-        sg.train_surrogates(pd.DataFrame(), tmp_path, fast=True, track=False)
+        training.train_surrogates(pd.DataFrame(), tmp_path, fast=True, track=False)
     with pytest.raises(ScenarioError, match="no shards"):
-        sg.train_cli(tmp_path, tmp_path / "out", fast=True, track=False)
+        training.train_cli(tmp_path, tmp_path / "out", fast=True, track=False)
     with pytest.raises(ScenarioError, match="missing feature column.*n_adapters"):
-        sg.as_feature_matrix(df.drop(columns=["n_adapters"]))
+        as_feature_matrix(df.drop(columns=["n_adapters"]))
     with pytest.raises(ScenarioError, match="unknown model family"):
-        sg.train_surrogates(df, tmp_path, models=("xgb",), fast=True, track=False)
+        training.train_surrogates(df, tmp_path, models=("xgb",), fast=True, track=False)
 
 
 def test_metric_helpers():
-    assert sg.smape([110, 0], [90, 0]) == pytest.approx(10.0)
-    r = sg.error_rates([1, 1, 0, 0], [True, False, True, False])
+    assert sm.smape([110, 0], [90, 0]) == pytest.approx(10.0)
+    r = sm.error_rates([1, 1, 0, 0], [True, False, True, False])
     assert r["false_feasible_rate"] == 0.5 and r["false_infeasible_rate"] == 0.5
 
 
 def test_train_on_several_datasets_concatenates_them(trained, tmp_path):
-    metrics = sg.train_cli([trained["data"], trained["data"]], tmp_path / "two", fast=True, track=False)
+    metrics = training.train_cli([trained["data"], trained["data"]], tmp_path / "two", fast=True, track=False)
     assert metrics["dataset"]["rows"] == 2 * trained["metrics"]["dataset"]["rows"]
     assert metrics["dataset"]["dir"].count(",") == 1
     # a directory without lora-opt dataset's summary.json is named by its path
@@ -188,5 +197,5 @@ def test_train_writes_the_dataset_summary_beside_the_model(trained, tmp_path):
     shutil.copytree(trained["data"], data)
     summary = {"out": "outputs/x", "rows": 1, "dataset_hash": ds.dataset_hash(data), "twin_version": ds.twin_version()}
     (data / "summary.json").write_text(json.dumps(summary))
-    sg.train_cli(data, tmp_path / "out", fast=True, track=False)
+    training.train_cli(data, tmp_path / "out", fast=True, track=False)
     assert json.loads((tmp_path / "out" / "dataset_summary.json").read_text()) == summary

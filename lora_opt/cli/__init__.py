@@ -146,7 +146,7 @@ def cmd_dataset(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from lora_opt.surrogates.surrogate import train_cli
+    from lora_opt.surrogates.training import train_cli
 
     m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
     ch = m["chosen"]
@@ -155,7 +155,7 @@ def cmd_train(args) -> int:
     print(f"starvation: {ch['classifier']}, threshold {ch['threshold']:.3f}; held-out "
           + ", ".join(f"{k} {v:.3g}" for k, v in clf["test"].items() if isinstance(v, float)))
     print("distilled : " + ", ".join(f"{k} {v} leaves" for k, v in m['distilled']['leaves'].items()))
-    print(f"surrogate -> {args.out} (surrogate.joblib, distilled.json, rules.txt, metrics.json)")
+    print(f"surrogate -> {args.out} (surrogate.json, surrogate.skops, distilled.json, rules.txt, metrics.json)")
     return 0
 
 

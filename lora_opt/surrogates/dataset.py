@@ -17,17 +17,22 @@ import hashlib
 import itertools
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from tqdm import tqdm
 
-from lora_opt.surrogates.features import gpu_features
+import twin
+from lora_opt.parallel import run_batches, simulate_dict
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, gpu_features
+from lora_opt.tracking import tracked_run
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
-from twin.profile import VLLM_LORA_RANKS
+from twin.profile import VLLM_LORA_RANKS, load_profile
 from twin.scenario import DEFAULT_RHO, scenario_dict
 
 GRIDS_DIR = REPO_ROOT / "configs" / "grids"
@@ -80,20 +85,15 @@ class Grid:
         """The grid's points in a fixed order (point id = index), or the seeded sample of them."""
         out = self._all_points()
         if self.workloads is not None:
-            import random
-
             keys = sorted({(tuple(p["ranks"]), tuple(p["rates"])) for p in out})
             keep_keys = set(random.Random(self.seed).sample(keys, min(self.workloads, len(keys))))
             out = [p for p in out if (tuple(p["ranks"]), tuple(p["rates"])) in keep_keys]
         if self.load_band is not None:
-            from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
             lo, hi = self.load_band
             out = [p for p in out
                    if lo <= DEFAULT_TOKENS_PER_REQUEST * sum(c * q for c, q in zip(split_counts(p["n"], self.groups),
                                                                                      p["rates"])) <= hi]
         if self.sample is not None and self.sample < len(out):
-            import random
-
             keep = sorted(random.Random(self.seed).sample(range(len(out)), self.sample))
             out = [out[i] for i in keep]
         return out
@@ -182,8 +182,6 @@ def _per_adapter(point: dict, groups: int) -> tuple[list[int], list[float]]:
 
 def label_points(items: list[dict]) -> list[dict]:
     """Ray task / serial unit: simulate each point and return its rows."""
-    from lora_opt.parallel import simulate_dict
-
     rows = []
     for it in items:
         res = simulate_dict(it["scenario"])
@@ -223,8 +221,6 @@ def make_row(item: dict, res: dict) -> dict:
 
 def twin_version() -> str:
     """Package version + a hash of the twin's source: rows say exactly which twin made them."""
-    import twin
-
     h = hashlib.sha256()
     for f in sorted(Path(twin.__file__).parent.glob("*.py")):
         h.update(f.read_bytes())
@@ -232,8 +228,6 @@ def twin_version() -> str:
 
 
 def _profile_info(profile: str) -> tuple[str, str]:
-    from twin.profile import load_profile
-
     p = load_profile(profile)
     src = Path(p.source)
     return p.name, hashlib.sha256(src.read_bytes()).hexdigest()[:16]
@@ -244,7 +238,7 @@ def shard_path(out: Path, i: int) -> Path:
 
 
 def _shard_complete(path: Path, expected_ids: list[int]) -> bool:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy optional dependency: only when resuming a dataset
 
     try:
         ids = pq.read_table(path, columns=["point_id"]).column("point_id").to_pylist()
@@ -254,7 +248,7 @@ def _shard_complete(path: Path, expected_ids: list[int]) -> bool:
 
 
 def _write_shard(path: Path, rows: list[dict]) -> None:
-    import pandas as pd
+    import pandas as pd  # heavy optional dependency: only when writing shards
 
     tmp = path.with_suffix(".parquet.tmp")
     pd.DataFrame(rows).to_parquet(tmp, index=False)
@@ -267,10 +261,6 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
              ray_address: str | None = None, limit: int | None = None, progress: bool = True,
              tracking_uri: str | None = None, track: bool = True) -> dict:
     """Label the grid into ``out``; resumes where a previous run stopped. Returns a summary."""
-    from tqdm import tqdm
-
-    from lora_opt.parallel import run_batches
-
     file_profile, grid = load_grid(grid_path)
     profile = profile or file_profile
     if not profile:
@@ -321,9 +311,8 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
                "dataset_hash": dataset_hash(out), **{k: manifest[k] for k in ("grid_hash", "profile", "twin_version")}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if track:
-        from lora_opt.tracking import tracked_run
+        import mlflow  # heavy optional dependency: only when tracking
 
-        import mlflow
         with tracked_run("dataset", run_name=f"{prof_name}-{manifest['grid_hash']}", tracking_uri=tracking_uri):
             mlflow.log_params({"profile": prof_name, "grid_hash": manifest["grid_hash"], "points": len(points),
                                "shard_size": grid.shard_size, "duration_s": grid.duration_s,
@@ -345,7 +334,7 @@ def dataset_hash(out: str | Path) -> str:
 
 def load_dataset(out: str | Path):
     """Every shard of a dataset directory as one DataFrame, sorted by point id."""
-    import pandas as pd
+    import pandas as pd  # heavy optional dependency: only when reading shards
 
     files = sorted(Path(out).glob("shard-*.parquet"))
     if not files:

@@ -3,7 +3,7 @@ a compiled predictor that answers in tens of nanoseconds.
 
 Method
 ------
-* Teacher: the tuned random forests of ``lora_opt.surrogates.surrogate`` (throughput regressor and starvation
+* Teacher: the tuned random forests of ``lora_opt.surrogates.training`` (throughput regressor and starvation
   classifier).  Student: one ``DecisionTreeRegressor`` per head with at most 32 leaves
   (``max_leaf_nodes=32``), i.e. at most 32 IF ... THEN rules per head.
 * Fitting points: the training split's features plus ``mixup`` points (convex combinations of two
@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from lora_opt.surrogates.features import FEATURES
-from lora_opt.surrogates.surrogate import (MAX_FALSE_FEASIBLE, as_feature_matrix, choose_threshold, error_rates,
-                                smape)
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
+from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, smape
+from lora_opt.surrogates.oracle import Oracle, as_feature_matrix
 from twin.errors import ScenarioError
 
 MAX_LEAVES = 32
@@ -219,8 +219,8 @@ RULES_HEADER = """\
 
 # ---- the distilled surrogate ---------------------------------------------------------------------
 @dataclass
-class DistilledSurrogate:
-    """Same ``predict`` as ``Surrogate``, from two flat trees and a threshold."""
+class DistilledSurrogate(Oracle):
+    """The ``Oracle`` of ``Surrogate``, from two flat trees and a threshold."""
 
     throughput_tree: FlatTree
     starvation_tree: FlatTree
@@ -242,8 +242,6 @@ class DistilledSurrogate:
         return out[:, 0], p < self.threshold, p
 
     def rules(self) -> str:
-        from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
-
         head = RULES_HEADER.format(n_thr=self.throughput_tree.n_leaves, n_p=self.starvation_tree.n_leaves,
                                    tokens=DEFAULT_TOKENS_PER_REQUEST, threshold=self.threshold,
                                    ff=self.metadata.get("max_false_feasible", MAX_FALSE_FEASIBLE))
@@ -286,7 +284,7 @@ def mixup_points(X: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
 
 
 def _student(seed: int, max_leaf_nodes: int):
-    from sklearn.tree import DecisionTreeRegressor
+    from sklearn.tree import DecisionTreeRegressor  # heavy optional dependency: only when distilling
 
     return DecisionTreeRegressor(max_leaf_nodes=max_leaf_nodes, random_state=seed)
 
@@ -303,7 +301,7 @@ def distill_starvation(teacher, X_train: np.ndarray, y_train: np.ndarray, X_extr
                        max_leaf_nodes: int = MAX_LEAVES):
     """Student tree fitted to the teacher's P(starving); its threshold from cross-fitted students.
     Returns (sklearn tree, FlatTree, threshold, out-of-fold error rates at that threshold)."""
-    from sklearn.base import clone
+    from sklearn.base import clone  # heavy optional dependency: only when distilling
     from sklearn.model_selection import StratifiedKFold
 
     p_train = (teacher.predict_proba(X_train)[:, 1] if p_teacher_train is None
@@ -390,7 +388,7 @@ def accuracy_report(dist: DistilledSurrogate, rf_regressor, rf_classifier, rf_th
 
 def distill_and_report(rf_regressor, rf_classifier, data, *, p_teacher_oof=None, seed: int = 0,
                        fast: bool = False) -> tuple[DistilledSurrogate, dict]:
-    """Distil on ``data``'s training split (a ``surrogate.TrainingData``), report on its held-out
+    """Distil on ``data``'s training split (a ``training_data.TrainingData``), report on its held-out
     split: accuracy change vs the forests, tree sizes, thresholds, latencies."""
     Xtr, ytr = data.X[data.train], data.starving[data.train]
     t0 = time.perf_counter()

@@ -16,6 +16,9 @@ from typing import Any, ClassVar
 
 from lora_opt.placement.plan import GPUConfig, Placement, placement_problems
 from lora_opt.placement.workload_file import Workload
+from lora_opt.surrogates.distill import DistilledSurrogate
+from lora_opt.surrogates.model_files import LEGACY_PICKLE_NAME, refuse_pickle
+from lora_opt.surrogates.oracle import ORACLE_FILES, Oracle, Surrogate
 from twin.errors import ScenarioError
 from twin.paths import CONFIGS_DIR
 from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
@@ -55,12 +58,9 @@ def bundled_surrogate_dir(profile_name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_oracle(path: str, kind: str):
-    if kind == "distilled":
-        from lora_opt.surrogates.distill import DistilledSurrogate
-        return DistilledSurrogate.load(path)
-    from lora_opt.surrogates.surrogate import Surrogate
-    return Surrogate.load(path)
+def _load_oracle(path: str, kind: str) -> Oracle:
+    loader = {"full": Surrogate.load, "distilled": DistilledSurrogate.load}[kind]
+    return loader(path)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class PlacementContext:
 
     profile: Profile
     surrogate_dir: Path | None = None
-    """Directory with ``surrogate.joblib`` and ``distilled.json`` (default: the bundled one)."""
+    """Directory with ``surrogate.json`` (+ ``surrogate.skops``) and ``distilled.json`` (default: the bundled one)."""
     history: Any = None
     """Observed requests (``twin.workload.Requests``, adapter indices = workload order) from which
     the rates were estimated; greedy-plus verifies GPUs on them, bursts included."""
@@ -85,11 +85,13 @@ class PlacementContext:
             raise ScenarioError("history_s: the observed window must be > 0 s when a history is given")
         return cls(profile=profile, surrogate_dir=d, history=history, history_s=history_s)
 
-    def oracle(self, kind: str):
+    def oracle(self, kind: str) -> Oracle:
         """The full surrogate (``kind='full'``) or its distilled trees (``'distilled'``)."""
-        fname = {"full": "surrogate.joblib", "distilled": "distilled.json"}[kind]
+        fname = ORACLE_FILES[kind]
         d = self.surrogate_dir
         if d is None or not (d / fname).exists():
+            if d is not None:
+                refuse_pickle(d / LEGACY_PICKLE_NAME)     # an older lora-opt's pickle: say so, never load it
             bundled = sorted(p.name for p in SURROGATES_DIR.iterdir() if p.is_dir()) if SURROGATES_DIR.exists() else []
             raise ScenarioError(
                 f"surrogate: no {fname} for profile {self.profile.name!r} in {d}; bundled surrogates exist "
