@@ -36,7 +36,7 @@ from scipy.optimize import nnls
 
 from lora_opt.calibration import realruns
 from lora_opt.calibration.e2e_params import with_e2e_params
-from lora_opt.calibration.model_table import FIT_HALF
+from lora_opt.calibration.model_table import FIT_HALF  # also the CLI's list of --model values
 from lora_opt.calibration.replay import replay_with_profile, select_runs
 
 SLOT_SHARE_GRID = (0.0, 0.2, 0.35, 0.5, 0.65, 0.8, 1.0)

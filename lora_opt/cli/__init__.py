@@ -122,8 +122,7 @@ def cmd_fidelity(args) -> int:
 
 
 def cmd_calibrate_e2e(args) -> int:
-    from lora_opt.calibration.e2e_fit import fit_model
-    from lora_opt.calibration.model_table import FIT_HALF
+    from lora_opt.calibration.e2e_fit import FIT_HALF, fit_model
 
     models = [args.model] if args.model else sorted(FIT_HALF)
     for m in models:
