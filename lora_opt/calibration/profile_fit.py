@@ -33,6 +33,8 @@ from typing import Any
 import yaml
 
 from lora_opt.calibration import report as calibrate_report
+# E2E_*_KEYS, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES, MODELS, expected_distinct_adapters, weights_gib and
+# sha256_of are imported for callers too (__all__): they lived here before the split
 from lora_opt.calibration.e2e_params import E2E_LATENCY_KEYS, E2E_LORA_KEYS, with_e2e_params
 from lora_opt.calibration.families import (BLOCK_SIZE, DEFAULT_UTIL, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES,
                                            load_runs)
