@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from lora_opt.calibration import profile_fit as cal
+from lora_opt.calibration.families import family_rows
 from twin.errors import ScenarioError
 from twin.paths import PROFILES_DIR, REPO_ROOT
 from twin.profile import load_profile
@@ -190,9 +191,9 @@ def test_csv_without_the_models_runs(tmp_path):
 # ---- pieces -------------------------------------------------------------------------------------
 def test_fitting_refuses_validation_families(runs):
     with pytest.raises(AssertionError):
-        cal._family(runs, "digital_twin_modelling/real_results/llama-3.1-8b-instruct")
+        family_rows(runs, "digital_twin_modelling/real_results/llama-3.1-8b-instruct")
     with pytest.raises(AssertionError):
-        cal._family(runs, "motivation_figure/")
+        family_rows(runs, "motivation_figure/")
 
 
 def test_expected_distinct_adapters():

@@ -26,22 +26,19 @@ and the real TTFT of saturated runs equals the server's queueing time, so excess
 """
 from __future__ import annotations
 
-import copy
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import yaml
+from scipy.optimize import nnls
 
 from lora_opt.calibration import realruns
-from lora_opt.parallel import run_scenarios
+from lora_opt.calibration.e2e_params import with_e2e_params
+from lora_opt.calibration.model_table import FIT_HALF  # also the CLI's list of --model values
+from lora_opt.calibration.replay import replay_with_profile, select_runs
 
-#: workload families each model is fitted on; the other half is the report half
-FIT_HALF = {
-    "llama-3.1-8b-instruct": "/rank_16_",
-    "qwen-2.5-7b-instruct": "/rank_16_",
-    "llama-2-7b": "_rate_0.0125",
-}
 SLOT_SHARE_GRID = (0.0, 0.2, 0.35, 0.5, 0.65, 0.8, 1.0)
 #: V0 per-step CPU time searched (ms); V1 profiles keep 0 (their ITL fits contain it)
 STEP_OVERHEAD_GRID = (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0)
@@ -50,8 +47,6 @@ PREFILL_SHARE_GRID = (0.0, 0.25, 0.5, 1.0)
 
 def split_rows(runs, model: str):
     """(fit half, report half) of the usable validation runs of ``model``."""
-    from lora_opt.calibration.fidelity import select_runs
-
     rows = select_runs(runs[runs["model"] == model])
     fit = rows["experiment"].str.contains(FIT_HALF[model], regex=False)
     return rows[fit], rows[~fit]
@@ -59,29 +54,6 @@ def split_rows(runs, model: str):
 
 def observed_inflight_cap(rows) -> int:
     return int(np.nanmax(rows["running_max"] + rows["waiting_max"]))
-
-
-def _with_params(profile: dict, slot_share: float, prefill_share: float,
-                 frontend: tuple[float, float] = (0.0, 0.0), step_overhead_ms: float = 0.0) -> dict:
-    p = copy.deepcopy(profile)
-    for spec in p["latency"]["lora"].values():
-        spec["slot_share"] = float(slot_share)
-        spec["prefill_share"] = float(prefill_share)
-    p["latency"]["ttft_frontend_ms"] = float(frontend[0])
-    p["latency"]["ttft_frontend_per_running_ms"] = float(frontend[1])
-    p["latency"]["sched_base_ms"] = float(step_overhead_ms)
-    return p
-
-
-def _replay(rows, profile: dict, tmp: Path, workers: int | None) -> list[dict]:
-    path = tmp / f"profile_{abs(hash(yaml.safe_dump(profile)))}.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    scenarios = []
-    for _, r in rows.iterrows():
-        s = realruns.run_to_scenario(r)
-        s["profile"] = str(path)
-        scenarios.append(s)
-    return run_scenarios(scenarios, workers=workers, progress=False)
 
 
 def _metric(res: list[dict], key: str, sub: str | None = None) -> np.ndarray:
@@ -98,8 +70,6 @@ def fit_frontend(rows, res) -> tuple[float, float]:
     """Non-negative least squares of (real - twin) median TTFT on a + b x running_mean, over the
     runs without a queue (waiting_mean < 1 in the real run and in the twin), where TTFT is one
     step plus the front end."""
-    from scipy.optimize import nnls
-
     quiet = (rows["waiting_mean"] < 1).to_numpy() & (_metric(res, "waiting_mean") < 1)
     twin_med = _metric(res, "ttft_ms", "median")
     y = rows["median_ttft_ms"].to_numpy(float) - twin_med
@@ -115,8 +85,6 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
               tmp: Path | None = None, log=print) -> dict:
     """Fit the end-to-end constants of ``model``'s bundled profile on its fit half; rewrite the
     profile with them and a ``fit.e2e`` record.  Returns that record."""
-    import tempfile
-
     t0 = time.perf_counter()
     runs = realruns.load_runs(runs_csv)
     fit_rows, report_rows = split_rows(runs, model)
@@ -127,7 +95,7 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
     trace = []
 
     def evaluate(s, pf, so):
-        res = _replay(fit_rows, _with_params(base, s, pf, step_overhead_ms=so), tmp, workers)
+        res = replay_with_profile(fit_rows, with_e2e_params(base, s, pf, step_overhead_ms=so), tmp, workers)
         obj = _objective(fit_rows, res)
         trace.append({"slot_share": s, "prefill_share": pf, "step_overhead_ms": so, **obj})
         log(f"  {model}: slot_share {s:.2f} prefill_share {pf:.2f} step overhead {so:g} ms -> throughput "
@@ -167,7 +135,7 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         "observed_inflight_cap_fit_half": observed_inflight_cap(fit_rows),
         "wall_s": time.perf_counter() - t0,
     }
-    out = _with_params(base, best_s, best_pf, frontend, best_so)
+    out = with_e2e_params(base, best_s, best_pf, frontend, best_so)
     out.setdefault("fit", {})["e2e"] = record
     prof_path.write_text(header + yaml.safe_dump(out, sort_keys=False, width=110))
     return record

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from lora_opt.calibration import realruns
-from lora_opt.parallel import run_scenarios
+from lora_opt.calibration.model_table import FIT_HALF
+from lora_opt.calibration.replay import select_runs, simulate_runs
+from twin.errors import ScenarioError
 
 #: (name in the report, real column, twin result key, twin sub-key, peer column)
 METRICS = (
@@ -41,15 +43,6 @@ TARGETS = {"throughput": 3.0, "itl_mean": 7.0, "ttft_mean": 25.0}
 RHO = 0.9
 
 
-def select_runs(runs, family: str | None = None):
-    """Usable validation runs, optionally only those whose experiment contains ``family``."""
-    rows = runs[runs["experiment"].str.startswith(realruns.VALIDATION_FAMILIES)]
-    if family:
-        rows = rows[rows["experiment"].str.contains(family, regex=False)]
-    keep = [realruns.usable(r)[0] for _, r in rows.iterrows()]
-    return rows[np.array(keep, bool)] if len(rows) else rows
-
-
 def _twin_value(res: dict, key: str, sub: str | None):
     if res.get("status") != "ok":
         return np.nan
@@ -57,12 +50,6 @@ def _twin_value(res: dict, key: str, sub: str | None):
     if sub is not None:
         v = (v or {}).get(sub)
     return np.nan if v is None else float(v)
-
-
-def simulate_runs(rows, lengths: str, workers: int | None, ray_address: str | None):
-    scenarios = [realruns.run_to_scenario(r, lengths=lengths) for _, r in rows.iterrows()]
-    return run_scenarios(scenarios, workers=workers, ray_address=ray_address,
-                         desc=f"fidelity ({lengths} lengths)")
 
 
 def comparison_table(rows, results: dict[str, list[dict]], peer):
@@ -93,7 +80,6 @@ def comparison_table(rows, results: dict[str, list[dict]], peer):
         if pcol:
             df[f"peer_{name}"] = rel.map(p[pcol]) if len(p) else np.nan
     df["has_peer"] = rel.isin(p.index)
-    from lora_opt.calibration.e2e_fit import FIT_HALF
     df["half"] = ["fit" if FIT_HALF.get(m, "\0") in e else "report" for m, e in zip(df["model"], df["experiment"])]
     return df
 
@@ -133,7 +119,7 @@ def smape_table(df, variants: list[str]) -> dict:
 def max_pack_table(df, variant: str):
     """Per workload (family, A_max): the served-adapter count with the highest throughput among
     non-starving runs (rho = 0.9), real vs twin."""
-    import pandas as pd
+    import pandas as pd  # heavy optional dependency: only when tables are built
 
     rows = []
     for (exp, ml), g in df.groupby(["experiment", "max_loras"]):
@@ -154,9 +140,9 @@ def max_pack_table(df, variant: str):
 
 
 def _scatter_plots(df, variants, out_dir: Path):
-    import matplotlib
+    import matplotlib  # heavy optional dependency: only when plots are drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy optional dependency: only when plots are drawn
 
     fig, axes = plt.subplots(2, 5, figsize=(20, 8))
     for ax, (name, *_, pcol) in zip(axes.ravel(), METRICS):
@@ -183,9 +169,9 @@ def _scatter_plots(df, variants, out_dir: Path):
 
 def _curve_plots(df, variant: str, out_dir: Path) -> list[str]:
     """Fig. 7 style: throughput / ITL / TTFT vs slots (max_loras), one line per served count."""
-    import matplotlib
+    import matplotlib  # heavy optional dependency: only when plots are drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy optional dependency: only when plots are drawn
 
     files = []
     for exp, g in df.groupby("experiment"):
@@ -300,7 +286,7 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
                  out_dir: str | Path = "outputs/fidelity", workers: int | None = None,
                  ray_address: str | None = None, variants: tuple[str, ...] = ("sharegpt", "mean"),
                  command: str = "lora-opt fidelity") -> dict:
-    import pandas as pd
+    import pandas as pd  # heavy optional dependency: only when tables are built
 
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -308,7 +294,6 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
     runs = realruns.load_runs(runs_csv)
     rows = select_runs(runs, family)
     if len(rows) == 0:
-        from twin.errors import ScenarioError
         fams = sorted(runs["experiment"][runs["experiment"].str.startswith(realruns.VALIDATION_FAMILIES)]
                       .str.rsplit("/", n=1).str[0].unique())
         raise ScenarioError(f"--family {family!r}: no usable runs; families: {', '.join(fams)}")

@@ -15,19 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lora_opt.calibration.model_table import MODEL_PROFILES  # model column -> bundled profile
 from twin.errors import ScenarioError
 from twin.paths import DATA_DIR, PROFILES_DIR
 from twin.scenario import scenario_dict
 
 REAL_RUNS_CSV = DATA_DIR / "real_runs" / "real_runs_vllm_lora.csv"
 PEER_TWIN_CSV = DATA_DIR / "real_runs" / "peer_twin_validation.csv"
-
-#: model column -> bundled profile
-MODEL_PROFILES = {
-    "llama-3.1-8b-instruct": "llama-3.1-8b-h100-64gb",
-    "qwen-2.5-7b-instruct": "qwen-2.5-7b-h100-64gb",
-    "llama-2-7b": "llama-2-7b-h100-64gb",
-}
 
 #: the papers' benchmark client: never more than this many requests in flight (running + waiting)
 #: in any run of the fit halves (max of running_max + waiting_max, lora_opt.calibration.e2e_fit.observed_inflight_cap);
@@ -39,7 +33,7 @@ VALIDATION_FAMILIES = ("digital_twin_modelling/real_results", "motivation_figure
 
 
 def load_runs(path: str | Path = REAL_RUNS_CSV):
-    import pandas as pd
+    import pandas as pd  # heavy optional dependency: only when the CSV is read
 
     p = Path(path)
     if not p.exists():

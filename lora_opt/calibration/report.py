@@ -1,6 +1,6 @@
 """Fit report for :mod:`lora_opt.calibration.profile_fit`: ``fit_report.md`` plus one small PNG per estimator.
 
-Kept apart from the fitting code so that calibrating without a report never imports matplotlib.
+matplotlib is imported by the first plot, so that calibrating without a report never imports it.
 """
 from __future__ import annotations
 
@@ -8,17 +8,22 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 DPI = 80
 FIGSIZE = (8.0, 3.4)
 
 
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib  # heavy optional dependency: only when a report is written
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # heavy optional dependency: only when a report is written
+    return plt
+
+
 def _save(fig, path: Path) -> str:
+    plt = _pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -36,6 +41,7 @@ def _fmt(x: Any) -> str:
 # ---- plots --------------------------------------------------------------------------------------
 def plot_memory(fit, out: Path) -> str:
     p = fit.plot
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=FIGSIZE)
     for rank in sorted(set(p["r"].astype(int))):
         sel = p["r"] == rank
@@ -62,6 +68,7 @@ def plot_max_num_seqs(fit, out: Path) -> str | None:
     if fit is None:
         return None
     p = fit.plot
+    plt = _pyplot()
     fig, a = plt.subplots(figsize=(4.5, 3.2))
     order = np.argsort(p["x"])
     a.scatter(p["x"], p["y"], s=14, label=p.get("label", "measured (no LoRA)"))
@@ -77,6 +84,7 @@ def plot_max_num_seqs(fit, out: Path) -> str | None:
 
 def plot_decode(fit, out: Path) -> str:
     p = fit.plot
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=FIGSIZE)
     sc = a.scatter(p["b"], p["y"], c=p["ctx_k"], s=16, cmap="viridis", label="measured")
     a.scatter(p["b"], p["pred"], marker="x", c="k", s=14, label="model")
@@ -95,6 +103,7 @@ def plot_prefill(fit, out: Path) -> str | None:
     p = fit.plot
     if not p:
         return None
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=FIGSIZE)
     a.scatter(p["x"] / 1e3, p["y"] / 1e3, s=16, label="measured")
     a.scatter(p["x"] / 1e3, p["pred"] / 1e3, marker="x", c="k", s=14, label="model")
@@ -109,6 +118,7 @@ def plot_prefill(fit, out: Path) -> str | None:
 
 
 def plot_lora(fit, out: Path) -> str:
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=FIGSIZE)
     for rank, p in sorted(fit.plot.items()):
         order = np.argsort(p["x"])
@@ -129,6 +139,7 @@ def plot_lora(fit, out: Path) -> str:
 
 def plot_loading(fit, out: Path) -> str:
     p = fit.plot
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=FIGSIZE)
     a.scatter(p["rank"], p["disk"], s=16, label="measured")
     ranks = sorted(p["disk_tab"])
@@ -286,7 +297,7 @@ def write_report(report_dir: Path, entry, prof: dict[str, Any], fits: dict[str, 
     fit = prof["fit"]
     lines = [f"# Calibration report: {prof['name']}", "",
              f"Model `{entry.csv_name}` ({entry.spec.name}), vLLM {entry.vllm_version} ({entry.engine} engine), "
-             f"H100 {fit['setup']['gpu_memory_gib']} GiB, util {fit['setup']['gpu_memory_utilization']}.", "",
+             f"{entry.gpu.name} {fit['setup']['gpu_memory_gib']} GiB, util {fit['setup']['gpu_memory_utilization']}.", "",
              f"Command: `{fit['command']}`", "",
              f"Data: `{fit['data']['file']}` sha256 `{fit['data']['sha256']}`. Fitted only on estimator families "
              "(`digital_twin_dynamic/estimators/*`, `performance_analysis/*_overhead/*`); validation families are "
