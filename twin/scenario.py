@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twin.arrivals import PROCESSES
 from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
 from twin.flags import VLLM_LORA_RANKS, EngineFlags, check_rank
 from twin.parsing import build_dataclass, check_choice, check_positive, read_config_file
 from twin.profile import Profile, load_profile
 
-ARRIVAL_PROCESSES = ("poisson", "lognormal", "nonstationary", "trace")
+ARRIVAL_PROCESSES = (*PROCESSES, "trace")        # synthetic processes: twin.arrivals
 LENGTH_SOURCES = ("sharegpt", "sharegpt-8k", "arxiv", "normal", "mean", "trace")
 TRACE_MAPPINGS = ("uniform", "powerlaw", "rates")
 ADAPTER_CACHE_POLICIES = ("lru", "fifo")

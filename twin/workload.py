@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from twin.arrivals import PROCESSES
 from twin.bundled_data import LENGTH_FILES, TRACES
 from twin.errors import ScenarioError
 from twin.scenario import Scenario
@@ -124,48 +125,11 @@ def _fit_context(i, o, max_model_len):
 
 
 # ---- arrivals --------------------------------------------------------------------------------
-def _poisson_times(rng, rate, t0, t1):
-    n = rng.poisson(rate * (t1 - t0))
-    return np.sort(rng.uniform(t0, t1, n))
-
-
-def _lognormal_times(rng, rate, t0, t1, cv):
-    sigma2 = np.log1p(cv * cv)
-    mu = np.log(1.0 / rate) - sigma2 / 2.0
-    sigma = np.sqrt(sigma2)
-    out, t = [], t0
-    # the first gap is drawn like the others, started at a uniform phase of one mean gap
-    t += rng.uniform(0, 1.0 / rate)
-    while t < t1:
-        m = int(rate * (t1 - t) * 1.2) + 16
-        times = t + np.concatenate([[0.0], np.cumsum(rng.lognormal(mu, sigma, m))])
-        out.append(times[times < t1])
-        t = times[-1]
-    return np.concatenate(out) if out else np.empty(0)
-
-
 def _synthetic_arrivals(sc: Scenario, rng, rates):
-    a = sc.arrivals
-    T = sc.duration_s
+    draw = PROCESSES[sc.arrivals.process]
     times, adapters = [], []
     for k, rate in enumerate(rates):
-        if a.process == "poisson":
-            t = _poisson_times(rng, rate, 0.0, T)
-        elif a.process == "lognormal":
-            t = _lognormal_times(rng, rate, 0.0, T, a.cv)
-        else:  # nonstationary: re-draw process and double/halve the rate every window
-            parts, r = [], rate
-            w0 = 0.0
-            while w0 < T:
-                w1 = min(T, w0 + a.window_s)
-                r = r * (2.0 if rng.random() < 0.5 else 0.5)
-                r = min(max(r, rate * a.rate_min_factor), rate * a.rate_max_factor)
-                if rng.random() < 0.5:
-                    parts.append(_poisson_times(rng, r, w0, w1))
-                else:
-                    parts.append(_lognormal_times(rng, r, w0, w1, a.cv))
-                w0 = w1
-            t = np.concatenate(parts)
+        t = draw(rng, rate, sc.duration_s, sc.arrivals)
         times.append(t)
         adapters.append(np.full(t.shape[0], k, np.int64))
     return np.concatenate(times), np.concatenate(adapters)
