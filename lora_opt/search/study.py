@@ -40,7 +40,7 @@ import numpy as np
 from lora_opt.placement.evaluate import GRACE_S, Criterion, evaluate_placement, served_ok
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies.base import PlacementContext, gpu_config
-from lora_opt.placement.policies.greedy import max_loras_that_start, priority_order
+from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
 from lora_opt.placement.workload_file import Workload
 from twin.errors import ScenarioError
 from twin.workload import Requests

@@ -52,9 +52,9 @@ import numpy as np
 from tqdm import tqdm
 
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
-from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
+from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy
+from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
 from lora_opt.placement.workload_file import Workload
-from twin.profile import Profile
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 #: the largest adapter count (and A_max) per GPU the surrogates were trained on; larger segments
@@ -72,27 +72,6 @@ AMAX_TOLERANCE = 0.99
 SURROGATE_RHO = 0.9
 #: load factors at which the starvation margin is probed
 MARGIN_GRID = np.round(np.arange(0.5, 3.0001, 0.025), 4)
-
-
-def zigzag(values: np.ndarray) -> np.ndarray:
-    """Indices of ``values`` in zig-zag order: highest, lowest, second highest, second lowest..."""
-    order = np.argsort(-values, kind="stable")
-    out = np.empty_like(order)
-    half = (len(order) + 1) // 2
-    out[0::2] = order[:half]
-    out[1::2] = order[half:][::-1]
-    return out
-
-
-def priority_order(ranks, rates) -> np.ndarray:
-    """Rank-descending groups, zig-zag by rate inside each (the paper's PrioritySorting)."""
-    ranks = np.asarray(ranks)
-    rates = np.asarray(rates, float)
-    parts = []
-    for r in sorted(set(ranks.tolist()), reverse=True):
-        idx = np.flatnonzero(ranks == r)
-        parts.append(idx[zigzag(rates[idx])])
-    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 class Segments:
@@ -149,22 +128,6 @@ def starvation_margin(oracle, seg: Segments, s: int, n: int, amax: int) -> float
     if k == 0:
         return float(SURROGATE_RHO * MARGIN_GRID[0] - 1.0)      # at most this
     return float(SURROGATE_RHO * MARGIN_GRID[k - 1] - 1.0)
-
-
-def max_loras_that_start(profile: Profile, rank: int, util: float, mnbt: int, mml: int, mns: int,
-                         limit: int = SURROGATE_MAX_ADAPTERS) -> int:
-    """Largest A_max <= ``limit`` whose instance starts, by the profile's memory model (0 if none)."""
-    lr = lora_rank_for([rank])
-    lo, hi = 0, limit                         # invariant: lo starts (or 0), hi+1.. unknown
-    if profile.startup_check(hi, lr, util, mnbt, mml, mns)[0]:
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if profile.startup_check(mid, lr, util, mnbt, mml, mns)[0]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class _GreedyBase(PlacementPolicy):
