@@ -46,15 +46,22 @@ configuration at a time: 1.59 s with its RF for 1,280 adapters on 4 GPUs).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
-from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy
+import twin
+from lora_opt.placement.evaluate import GRACE_S, Criterion
+from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
+                                              gpu_config)
 from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
-from lora_opt.placement.workload_file import Workload
+from lora_opt.placement.workload_file import IDLE_RATE, Workload
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
+from twin.errors import ScenarioError
+from twin.scenario import scenario_from_dict
+from twin.workload import Requests
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 #: the largest adapter count (and A_max) per GPU the surrogates were trained on; larger segments
@@ -214,7 +221,6 @@ class GreedyPlus(_GreedyBase):
     def __init__(self, margin: float = 0.10, oracle: str | None = None, verify_s: float = 900.0,
                  ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True,
                  criterion=None, progress: bool = False):
-        from twin.errors import ScenarioError
         if not isinstance(max_adapters, int) or max_adapters < 1:
             raise ScenarioError(f"max_adapters: must be an integer >= 1, got {max_adapters!r}")
         #: adapters per GPU at most: beyond the surrogates' 384 only with twin verification
@@ -248,15 +254,6 @@ class GreedyPlus(_GreedyBase):
         looks fine).  The traffic: the observed requests of its adapters (``ctx.history``) with
         time compressed by 1 + margin -- bursts included -- or, without history, Poisson arrivals
         at the expected rates for ``verify_s`` seconds with the workload's lengths."""
-        import dataclasses
-
-        import twin
-        from twin.scenario import scenario_from_dict
-        from twin.workload import Requests
-
-        from lora_opt.placement.evaluate import GRACE_S, Criterion
-        from lora_opt.placement.policies.base import gpu_config
-        from lora_opt.placement.workload_file import IDLE_RATE
         ads = [wl.adapters[i] for i in idx]
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
         criterion = self.criterion or Criterion(rho=wl.rho)
