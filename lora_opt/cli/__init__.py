@@ -254,8 +254,21 @@ def cmd_search(args) -> int:
 
 
 def cmd_pareto(args) -> int:
-    from lora_opt.search.pareto import run_pareto_cli
-    return run_pareto_cli(args)
+    import shlex
+
+    from lora_opt.placement.workload_file import load_workload
+    from lora_opt.search.pareto import ParetoConfig, criteria_sweep, pareto_report
+
+    wl = load_workload(args.workload)
+    criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
+    config = ParetoConfig(criteria, objective=args.objective, trials=args.trials, ref_latency_ms=args.ref_latency_ms,
+                          workers=args.workers, ray_address=args.ray_address)
+    command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
+    _, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
+                           tracking_uri=args.tracking_uri, command=command)
+    print((out / "report.md").read_text().split("## Every point")[0])
+    print(f"-> {out}/report.md, pareto.json, pareto_front.png")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
