@@ -20,8 +20,8 @@ from tqdm import tqdm
 from lora_opt.placement.evaluate import Criterion, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
-from lora_opt.search.study import (SearchSetup, Traffic, hypervolume, nondominated, objective_value, replay,
-                                   replay_front, run_search, traffic_halves)
+from lora_opt.search.study import (DEFAULT_OBJECTIVE, SearchSetup, Traffic, hypervolume, nondominated,
+                                   objective_value, replay, replay_front, run_search, traffic_halves)
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
 METHODS = ("greedy-plus", "greedy", "search")
@@ -51,7 +51,7 @@ class ParetoConfig:
     criteria: list[Criterion]
     """Feasibility criteria swept (see ``criteria_sweep``): per criterion one greedy-plus placement
     and one study; the paper's greedy is placed once and judged under each."""
-    objective: str = "p99_ttft"
+    objective: str = DEFAULT_OBJECTIVE
     """Latency objective (a key of ``lora_opt.search.study.OBJECTIVES``), measured on the replay."""
     trials: int = 24
     """Search trials per criterion (0 = the greedy policies only)."""

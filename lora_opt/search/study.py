@@ -52,6 +52,7 @@ from twin.workload import Requests
 #: the latency objectives a study minimises beside the GPU count: name -> (evaluation key, statistic)
 OBJECTIVES = {"p99_ttft": ("ttft_ms", "p99"), "mean_ttft": ("ttft_ms", "mean"),
               "p99_itl": ("itl_ms", "p99"), "mean_itl": ("itl_ms", "mean")}
+DEFAULT_OBJECTIVE = "p99_ttft"
 #: Optuna constraint names (a trial is feasible when every value is <= 0)
 CONSTRAINTS = ("starving_gpus", "gpus_failing_startup", "unplaced_adapters")
 #: objective value of a trial with no completed request (finite: Optuna sorts it last)
@@ -102,12 +103,12 @@ class SearchSetup:
     order: np.ndarray
     mem_caps: dict[int, int]
     criterion: Criterion
-    objective: str = "p99_ttft"
+    objective: str = DEFAULT_OBJECTIVE
     grace_s: float = GRACE_S
 
     @classmethod
     def build(cls, wl: Workload, pool: int, ctx: PlacementContext, criterion: Criterion | None = None,
-              objective: str = "p99_ttft") -> SearchSetup:
+              objective: str = DEFAULT_OBJECTIVE) -> SearchSetup:
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
         if not isinstance(pool, int) or pool < 1:

@@ -21,6 +21,8 @@ from twin.paths import CONFIGS_DIR
 from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
 
 SURROGATES_DIR = CONFIGS_DIR / "surrogates"
+#: the oracles a policy may consult: kind -> its file in a surrogate directory
+ORACLE_FILES = {"full": "surrogate.joblib", "distilled": "distilled.json"}
 
 
 @dataclass
@@ -87,7 +89,7 @@ class PlacementContext:
 
     def oracle(self, kind: str):
         """The full surrogate (``kind='full'``) or its distilled trees (``'distilled'``)."""
-        fname = {"full": "surrogate.joblib", "distilled": "distilled.json"}[kind]
+        fname = ORACLE_FILES[kind]
         d = self.surrogate_dir
         if d is None or not (d / fname).exists():
             bundled = sorted(p.name for p in SURROGATES_DIR.iterdir() if p.is_dir()) if SURROGATES_DIR.exists() else []
