@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lora_opt.search.pareto import criteria_sweep, run_pareto, write_outputs  # noqa: E402
+from lora_opt.search.pareto import ParetoConfig, criteria_sweep, run_pareto, write_outputs  # noqa: E402
 from lora_opt.placement.policies import PlacementContext  # noqa: E402
 from lora_opt.search.study import Traffic  # noqa: E402
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
@@ -52,9 +52,9 @@ if __name__ == "__main__":
         mlflow.log_params({"trace": a.trace, "ranks": str(a.ranks), "load": a.load, "pool": a.gpus,
                            "trials_per_criterion": a.trials, "criteria": "; ".join(c.label for c in criteria),
                            "seed": a.seed})
-        res = run_pareto(sp.workload, a.gpus, ctx, criteria=criteria, search_traffic=Traffic(sp.history, sp.history_s),
-                         eval_traffic=Traffic(sp.replay, sp.duration_s), trials=a.trials, storage_dir=out,
-                         history_ctx=hctx, workers=a.workers)
+        res = run_pareto(sp.workload, a.gpus, ctx, ParetoConfig(criteria, trials=a.trials, workers=a.workers),
+                         search_traffic=Traffic(sp.history, sp.history_s),
+                         eval_traffic=Traffic(sp.replay, sp.duration_s), storage_dir=out, history_ctx=hctx)
         res["split"] = sp.info
         write_outputs(res, out, f"Greedy vs search: {sp.workload.name}, pool {a.gpus}", command)
         log_flat_metrics("hypervolume", res["hypervolume"])

@@ -7,19 +7,22 @@ rows.  Work is sent in batches so per-task overhead stays small next to the simu
 """
 from __future__ import annotations
 
+import collections
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from tqdm import tqdm
+
+import twin
 from lora_opt import settings  # noqa: F401  (no-network environment before Ray starts)
+from twin.scenario import scenario_from_dict
 
 
 def simulate_dict(scenario: dict, extra: Callable[[Any], dict] | None = None) -> dict:
     """Simulate one scenario dict; the result dict plus ``wall_s`` and ``steps``.
     A scenario that cannot be simulated returns ``{"status": "error", "error": message}``."""
-    import twin
-    from twin.scenario import scenario_from_dict
-
     try:
         res = twin.simulate(scenario_from_dict(scenario))
     except twin.ScenarioError as exc:
@@ -37,7 +40,7 @@ def _simulate_batch(scenarios: list[dict]) -> list[dict]:
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Start (or connect to) Ray quietly, on loopback, without usage reporting or dashboard."""
-    import ray
+    import ray  # heavy optional dependency: only when tasks go to Ray
 
     if ray.is_initialized():
         return
@@ -69,7 +72,7 @@ def run_batches(fn: Callable[[list], list], batches: Sequence[list], on_done: Ca
         for i, batch in enumerate(batches):
             on_done(i, fn(batch))
         return
-    import ray
+    import ray  # heavy optional dependency: only when tasks go to Ray
 
     init_ray(ray_address, workers)
     remote = ray.remote(num_cpus=1)(fn)
@@ -87,8 +90,6 @@ def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_
     ``workers=1`` runs serially in this process (no Ray).  Otherwise tasks go to Ray: a local
     instance with ``workers`` CPUs, or the cluster at ``ray_address`` / ``RAY_ADDRESS``.
     """
-    from tqdm import tqdm
-
     n = len(scenarios)
     if n == 0:
         return []
@@ -109,7 +110,6 @@ def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_
 
 def idle_task(seconds: float = 0.0) -> float:
     """A task that only waits: starts Ray workers ahead of timed work, and exercises timeouts."""
-    import time
     time.sleep(seconds)
     return seconds
 
@@ -121,15 +121,13 @@ class TaskPool:
     (it is cancelled), comes back as the exception instead of a result."""
 
     def __init__(self, fn: Callable, *, workers: int | None = None, ray_address: str | None = None):
-        import collections
-
         self.serial = not use_ray(workers, ray_address)
         self.workers = 1 if self.serial else (workers or os.cpu_count() or 1)
         self.fn = fn
         self._done: collections.deque = collections.deque()
         self._pending: dict[Any, tuple[Any, float]] = {}
         if not self.serial:
-            import ray
+            import ray  # heavy optional dependency: only when tasks go to Ray
             init_ray(ray_address, workers)
             if ray_address or os.environ.get("RAY_ADDRESS"):
                 self.workers = workers or int(ray.cluster_resources().get("CPU", 1))
@@ -139,7 +137,7 @@ class TaskPool:
         """Share a large argument once (an object-store reference under Ray)."""
         if self.serial:
             return obj
-        import ray
+        import ray  # heavy optional dependency: only when tasks go to Ray
         return ray.put(obj)
 
     #: tasks queued per worker: a second one waiting in Ray hides the driver's round trip
@@ -161,16 +159,13 @@ class TaskPool:
             except Exception as exc:  # noqa: BLE001 - handed back to the caller as the result
                 self._done.append((key, exc))
             return
-        import time
         self._pending[self._remote.remote(*args)] = (key, time.monotonic())
 
     def next_done(self, timeout_s: float | None = None):
         """(key, result or exception) of a finished task; blocks until one finishes."""
         if self._done:
             return self._done.popleft()
-        import time
-
-        import ray
+        import ray  # heavy optional dependency: only when tasks go to Ray
         while True:
             ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)
             if ready:

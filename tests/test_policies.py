@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from lora_opt.surrogates.features import gpu_features
 from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.policies import POLICIES, PlacementContext, get_policy
-from lora_opt.placement.policies.greedy import TESTING_POINTS, Segments, priority_order, zigzag
+from lora_opt.placement.policies.greedy import TESTING_POINTS, Segments
+from lora_opt.placement.policies.packing import priority_order, zigzag
 from lora_opt.placement.workload_file import workload_from_dict
 from twin.errors import ScenarioError
 from twin.profile import VLLM_LORA_RANKS

@@ -1,104 +1,69 @@
 """``lora-opt place``: a workload and a GPU pool in, a checked placement out -- a table,
 ``placement.json`` and, with ``--emit-vllm``, one ``vllm serve`` command per GPU and a router table.
 
-Exit status: 0 a deployable placement was written; 3 the pool is too small (the table says how
-many GPUs the policy needs) or an adapter cannot be served at all; 4 the policy's placement has
-instances that would not start (written for inspection, no launch commands).
+The table, the verdict (exit status) and the files are placement logic and live in
+``lora_opt.placement.report``; this module reads the flags, runs the policy and prints.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import shlex
 import sys
-from collections import Counter
 from pathlib import Path
 
-from lora_opt.placement.plan import Placement, check_placement
-from lora_opt.placement.vllm_launch import check_serve_args, router_table, serve_command
-
-EXIT_OK, EXIT_INFEASIBLE, EXIT_NOT_DEPLOYABLE = 0, 3, 4
+from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 
 
-def _ranks(adapters) -> str:
-    c = Counter(a.rank for a in adapters)
-    return " ".join(f"r{r}x{n}" for r, n in sorted(c.items(), reverse=True))
+def register(sub) -> None:
+    pl = sub.add_parser("place", help="place a workload's adapters on GPUs; vLLM launch commands and a router table")
+    pl.add_argument("--workload", required=True, help="workload YAML/JSON (see configs/workloads/)")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
+    pl.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
+                    help=f"placement policy (default: {DEFAULT_POLICY})")
+    pl.add_argument("--out", help="output directory (default: outputs/placement-<workload>)")
+    pl.add_argument("--emit-vllm", action="store_true",
+                    help="also write one vllm serve command per GPU (vLLM 0.33 flags) and router.json")
+    pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
+    pl.add_argument("--surrogate", help="surrogate directory (default: the bundled one for the profile)")
+    pl.add_argument("--margin", type=float, help="greedy-plus: capacity headroom over the expected load (default 0.1)")
+    pl.add_argument("--verify-s", type=float, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
+    pl.add_argument("--ttft-p99-s", type=float, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
+    pl.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
+    pl.add_argument("--history", metavar="LOG.csv",
+                    help="request log (timestamp_s, adapter, input_tokens, output_tokens): rates are estimated "
+                         "from it and greedy-plus verifies every GPU on these requests, bursts included")
+    pl.add_argument("--json", action="store_true", help="print the placement and verdict as one JSON object")
+    pl.set_defaults(run=run)
 
 
-def placement_table(p: Placement) -> str:
-    """GPU, adapters, ranks, A_max, max rank, incoming and predicted throughput, margin."""
-    m = p.meta
-    lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
-             f"{'pred tok/s':>10} {'margin':>7} {'twin':>10}"]
-    failing = set(m.get("gpus_failing_startup", []))
-    on_gpu = p.by_gpu()
-    for i, g in enumerate(p.gpus):
-        ads = [p.adapters[k] for k, _ in on_gpu[i]]
-        thr = (m.get("predicted_throughput") or [None] * len(p.gpus))[i]
-        mar = (m.get("starvation_margin") or [None] * len(p.gpus))[i]
-        rate = (m.get("incoming_rate_req_s") or [0.0] * len(p.gpus))[i]
-        ver = (m.get("twin_verified_at_load") or [None] * len(p.gpus))[i]
-        twin = f"ok at {ver:g}x" if ver else "-"
-        lines.append(f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8} {rate:>7.2f} "
-                     f"{(f'{thr:10.0f}' if thr is not None else f'{chr(45):>10}')} "
-                     f"{(f'{mar:+7.0%}' if mar is not None else f'{chr(45):>7}')} {twin:>10}"
-                     + ("   would not start (OOM)" if i in failing else ""))
-    return "\n".join(lines)
+def _policy_options(args: argparse.Namespace) -> dict:
+    opts = {}
+    if args.policy == "greedy-plus":
+        opts["progress"] = sys.stderr.isatty() and not args.json
+        for k in ("margin", "verify_s", "ttft_p99_s", "oracle"):
+            v = getattr(args, k, None)
+            if v is not None:
+                opts[k] = v
+    return opts
 
 
-def verdict(p: Placement) -> tuple[int, str]:
-    m = p.meta
-    if m.get("unplaceable"):
-        ids = m["unplaceable"]
-        hint = ("; its surrogate calls even a GPU of their own starving -- greedy-plus checks such GPUs "
-                "on the twin" if p.policy in ("greedy", "greedy-fast") else "")
-        return EXIT_INFEASIBLE, (f"infeasible: {len(ids)} adapter(s) cannot be served by the policy "
-                                 f"({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}){hint}")
-    if not m.get("feasible"):
-        return EXIT_INFEASIBLE, (f"infeasible: the workload needs {m['gpus_needed']} GPUs with policy {p.policy}; "
-                                 f"the pool has {m['gpus_pool']}. Rerun with --gpus {m['gpus_needed']}.")
-    if m.get("gpus_failing_startup"):
-        return EXIT_NOT_DEPLOYABLE, (f"not deployable: vLLM would not start on GPU(s) {m['gpus_failing_startup']} "
-                                     "(the policy's A_max does not fit in memory)")
-    return EXIT_OK, (f"{len(p.gpus)} of {m['gpus_pool']} GPUs used by {p.policy} "
-                     f"({m['policy_wall_ms']:.1f} ms)")
+def run(args: argparse.Namespace) -> int:
+    # imports inside run: only the command that runs pays for them (start-up time)
+    from lora_opt.placement.workload_file import load_workload
 
-
-def write_outputs(p: Placement, profile, out_dir: Path, *, emit_vllm: bool, model: str | None,
-                  host: str = "127.0.0.1", base_port: int = 8000) -> list[Path]:
-    """placement.json (always), and with ``emit_vllm`` a deployable placement's launch files."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "placement.json"]
-    tmp = written[0].with_suffix(".json.tmp")
-    p.save(tmp)
-    tmp.replace(written[0])
-    if emit_vllm:
-        check_placement(p, profile)
-        model = model or profile.model.name
-        vdir = out_dir / "vllm"
-        vdir.mkdir(exist_ok=True)
-        lines = []
-        on_gpu = p.by_gpu()
-        for i in range(len(p.gpus)):
-            argv = serve_command(p, i, model, host=host, port=base_port + i,
-                                 adapters=[p.adapters[k] for k, _ in on_gpu[i]])
-            check_serve_args(argv)
-            line = f"CUDA_VISIBLE_DEVICES={i} " + shlex.join(argv)
-            lines.append(line)
-            f = vdir / f"gpu{i}.sh"
-            f.write_text("#!/bin/sh\n# generated by lora-opt place; vLLM 0.33 flags\nexec env " + line + "\n")
-            f.chmod(0o755)
-            written.append(f)
-        (vdir / "serve_commands.txt").write_text("\n".join(lines) + "\n")
-        written.append(vdir / "serve_commands.txt")
-        (out_dir / "router.json").write_text(json.dumps(router_table(p, host=host, base_port=base_port), indent=1))
-        written.append(out_dir / "router.json")
-    return written
+    wl = load_workload(args.workload)
+    return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
+                     surrogate=args.surrogate, policy_options=_policy_options(args), as_json=args.json,
+                     history=args.history)
 
 
 def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm: bool, model: str | None,
               surrogate: str | None, policy_options: dict, as_json: bool = False, out=None,
               history: str | None = None) -> int:
+    """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
+    verdict (or one JSON object); the verdict's exit status."""
     from lora_opt.placement.policies import PlacementContext, get_policy
+    from lora_opt.placement.report import EXIT_INFEASIBLE, EXIT_OK, placement_table, verdict, write_outputs
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)

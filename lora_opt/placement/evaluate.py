@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+import twin
+from lora_opt.parallel import run_batches
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
-from twin.scenario import DEFAULT_RHO
+from twin.scenario import DEFAULT_RHO, scenario_from_dict
 from twin.simulate import weighted_stats
 from twin.workload import Requests, generate_requests
 
@@ -27,7 +30,6 @@ ROUTING_STREAM = 7
 
 def workload_requests(wl: Workload, max_model_len: int) -> Requests:
     """Every request of the workload's evaluation traffic (all adapters, one stream)."""
-    from twin.scenario import scenario_from_dict
     sc = scenario_from_dict(evaluation_scenario(wl, wl.adapters), "workload.evaluation")
     return generate_requests(sc, max_model_len)
 
@@ -75,9 +77,6 @@ def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed
 
 def simulate_gpu_jobs(jobs: list[dict]) -> list[dict]:
     """Ray task / serial unit: simulate each GPU's share; result dicts with raw latency samples."""
-    import twin
-    from twin.scenario import scenario_from_dict
-
     out = []
     for job in jobs:
         sc = scenario_from_dict(job["scenario"], f"gpu {job['gpu']}")
@@ -200,10 +199,6 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
     both verdicts are in the result (``starving`` and ``starving_window``).  ``criterion``
     replaces the rho verdict (default: the workload's rho), e.g. by SLO attainment."""
     criterion = criterion or Criterion(rho=wl.rho)
-    from tqdm import tqdm
-
-    from lora_opt.parallel import run_batches
-
     if not p.gpus:
         raise ScenarioError("placement: no GPUs to evaluate")
     ids = [a.id for a in wl.adapters]

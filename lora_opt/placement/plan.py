@@ -14,12 +14,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from twin.errors import ScenarioError
+from lora_opt.errors import InputError
 from twin.flags import EngineFlags
 from twin.profile import VLLM_LORA_RANKS, Profile
 
 
-class PlacementError(ScenarioError):
+class PlacementError(InputError):
     """A placement that must not be deployed; the message lists every problem found."""
 
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from lora_opt.placement.evaluate import Criterion, served_ok
-from lora_opt.search.study import (SearchSetup, Traffic, hypervolume, nondominated, objective_value, replay, replay_front,
-                             run_search)
+from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.placement.workload_file import Workload
+from lora_opt.search.study import (DEFAULT_OBJECTIVE, SearchSetup, Traffic, hypervolume, nondominated,
+                                   objective_value, replay, replay_front, run_search, traffic_halves)
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
 METHODS = ("greedy-plus", "greedy", "search")
 
@@ -38,20 +44,38 @@ def pareto_points(points: list[dict]) -> list[dict]:
     return nondominated([p for p in points if p["feasible"]], lambda p: (p["gpus"], p["latency_ms"]))
 
 
-def run_pareto(wl, pool: int, ctx, *, criteria: list[Criterion], search_traffic: Traffic, eval_traffic: Traffic,
-               objective: str = "p99_ttft", trials: int = 24, storage_dir: Path, history_ctx=None,
-               workers: int | None = None, ray_address: str | None = None, ref_latency_ms: float = 60_000.0,
-               progress: bool = True) -> dict:
-    """Points, fronts, hypervolumes and costs of every method over the criteria sweep.
-    ``history_ctx``: a PlacementContext with observed requests for greedy-plus (else ``ctx``)."""
-    from tqdm import tqdm
+@dataclass
+class ParetoConfig:
+    """What a sweep runs besides the workload, pool and traffic."""
 
-    from lora_opt.placement.policies import get_policy
+    criteria: list[Criterion]
+    """Feasibility criteria swept (see ``criteria_sweep``): per criterion one greedy-plus placement
+    and one study; the paper's greedy is placed once and judged under each."""
+    objective: str = DEFAULT_OBJECTIVE
+    """Latency objective (a key of ``lora_opt.search.study.OBJECTIVES``), measured on the replay."""
+    trials: int = 24
+    """Search trials per criterion (0 = the greedy policies only)."""
+    ref_latency_ms: float = 60_000.0
+    """Hypervolume reference latency (ms); the reference GPU count is the pool + 1."""
+    workers: int | None = None
+    """Parallel workers for replays and trials (1 = serial, no Ray; None = all cores)."""
+    ray_address: str | None = None
+    """Existing Ray cluster (None = ``RAY_ADDRESS`` or a local instance)."""
+    progress: bool = True
+    """A progress bar over the criteria (stderr)."""
 
+
+def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traffic, eval_traffic: Traffic,
+               storage_dir: Path, history_ctx=None) -> dict:
+    """Points, fronts, hypervolumes and costs of every method over ``config.criteria``.  Studies
+    are stored in ``storage_dir/studies.db``.  ``history_ctx``: a PlacementContext with observed
+    requests for greedy-plus and the search (else ``ctx``)."""
+    criteria, objective, trials = config.criteria, config.objective, config.trials
+    workers, ray_address = config.workers, config.ray_address
     points: list[dict] = []
     cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
     greedy_p = None
-    for c in tqdm(criteria, desc="criteria", unit="criterion", disable=not progress):
+    for c in tqdm(criteria, desc="criteria", unit="criterion", disable=not config.progress):
         t = time.perf_counter()
         p = get_policy("greedy-plus", ttft_p99_s=None, criterion=c).place(wl, pool, history_ctx or ctx)
         if p.meta["feasible"]:
@@ -81,21 +105,21 @@ def run_pareto(wl, pool: int, ctx, *, criteria: list[Criterion], search_traffic:
                                "search_latency_ms": r[objective], "trial": r["trial"], "seed": r.get("seed")})
             cost["search"]["wall_s"] += time.perf_counter() - t
             cost["search"]["trials"] += res.trials
-    ref = (pool + 1, math.log10(ref_latency_ms))
+    ref = (pool + 1, math.log10(config.ref_latency_ms))
     fronts, hv = {}, {}
     for m in METHODS:
         front = pareto_points([p for p in points if p["method"] == m and not math.isnan(p["latency_ms"])])
         fronts[m] = front
         hv[m] = hypervolume([(f["gpus"], math.log10(max(f["latency_ms"], 1e-3))) for f in front], ref)
     return {"points": points, "fronts": fronts, "hypervolume": hv, "cost": cost,
-            "reference": {"gpus": ref[0], "latency_ms": ref_latency_ms}, "objective": objective,
+            "reference": {"gpus": ref[0], "latency_ms": config.ref_latency_ms}, "objective": objective,
             "criteria": [c.label for c in criteria], "pool": pool, "trials_per_criterion": trials}
 
 
 def plot_fronts(result: dict, path: Path) -> Path:
-    import matplotlib
+    import matplotlib  # heavy optional dependency: only when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     colors = {"greedy-plus": "C0", "greedy": "C1", "search": "C2"}
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -149,36 +173,28 @@ def write_outputs(result: dict, out: Path, title: str, command: str) -> list[Pat
     return [out / "pareto.json", out / "report.md", out / "pareto_front.png"]
 
 
-def run_pareto_cli(args) -> int:
-    from lora_opt.placement.policies import PlacementContext
-    from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
-    from lora_opt.search.study import traffic_halves
-    from lora_opt.placement.workload_file import load_workload
-
-    wl = load_workload(args.workload)
-    criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
-    # with a log: greedy-plus verifies and search searches on its first half (which also sets the
-    # rates every policy sees), every point is replayed on the second
-    wl, search_traffic, eval_traffic, ctx_kw = traffic_halves(wl, args.history)
-    out = Path(args.out or f"outputs/pareto-{wl.name}")
+def pareto_report(wl: Workload, pool: int, config: ParetoConfig, *, history: str | None = None,
+                  out: str | Path | None = None, tracking_uri: str | None = None,
+                  command: str = "lora-opt pareto ...") -> tuple[dict, Path]:
+    """``lora-opt pareto``: the sweep on ``wl``, its outputs (``write_outputs``) in ``out`` (default
+    ``outputs/pareto-<workload>``), the run tracked in MLflow; (result, output directory).
+    ``history``: a request log -- greedy-plus verifies and the search searches on its first half
+    (which also sets the rates every policy sees), every point is replayed on the second.
+    ``command`` is the reproduce line of the report."""
+    wl, search_traffic, eval_traffic, ctx_kw = traffic_halves(wl, history)
+    out = Path(out or f"outputs/pareto-{wl.name}")
     out.mkdir(parents=True, exist_ok=True)
     ctx = PlacementContext.for_workload(wl)
     history_ctx = PlacementContext.for_workload(wl, **ctx_kw) if ctx_kw else None
-    import shlex
-    import sys
-    command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
-    with tracked_run("pareto", run_name=wl.name, tracking_uri=args.tracking_uri):
-        import mlflow
-        mlflow.log_params({"workload": wl.name, "pool": args.gpus, "objective": args.objective,
-                           "trials_per_criterion": args.trials, "criteria": "; ".join(c.label for c in criteria)})
-        res = run_pareto(wl, args.gpus, ctx, criteria=criteria, search_traffic=search_traffic,
-                         eval_traffic=eval_traffic, objective=args.objective, history_ctx=history_ctx,
-                         trials=args.trials, storage_dir=out, workers=args.workers, ray_address=args.ray_address,
-                         ref_latency_ms=args.ref_latency_ms)
+    with tracked_run("pareto", run_name=wl.name, tracking_uri=tracking_uri):
+        import mlflow  # heavy optional dependency: only inside a tracked run
+        mlflow.log_params({"workload": wl.name, "pool": pool, "objective": config.objective,
+                           "trials_per_criterion": config.trials,
+                           "criteria": "; ".join(c.label for c in config.criteria)})
+        res = run_pareto(wl, pool, ctx, config, search_traffic=search_traffic, eval_traffic=eval_traffic,
+                         storage_dir=out, history_ctx=history_ctx)
         write_outputs(res, out, f"Pareto fronts: {wl.name}", command)
         log_flat_metrics("hypervolume", res["hypervolume"])
         log_flat_metrics("cost", res["cost"])
         log_dir(out)
-    print(report_md(res, f"Pareto fronts: {wl.name}", command).split("## Every point")[0])
-    print(f"-> {out}/report.md, pareto.json, pareto_front.png")
-    return 0
+    return res, out

@@ -36,17 +36,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+from lora_opt.parallel import TaskPool
 from lora_opt.placement.evaluate import GRACE_S, Criterion, evaluate_placement, served_ok
 from lora_opt.placement.plan import Placement
-from lora_opt.placement.policies.base import PlacementContext, gpu_config
-from lora_opt.placement.policies.greedy import max_loras_that_start, priority_order
-from lora_opt.placement.workload_file import Workload
+from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.placement.policies.base import gpu_config
+from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
+from lora_opt.placement.workload_file import Workload, load_request_log, split_request_log
 from twin.errors import ScenarioError
+from twin.profile import load_profile
 from twin.workload import Requests
 
+#: the latency objectives a study minimises beside the GPU count: name -> (evaluation key, statistic)
 OBJECTIVES = {"p99_ttft": ("ttft_ms", "p99"), "mean_ttft": ("ttft_ms", "mean"),
               "p99_itl": ("itl_ms", "p99"), "mean_itl": ("itl_ms", "mean")}
+DEFAULT_OBJECTIVE = "p99_ttft"
 #: Optuna constraint names (a trial is feasible when every value is <= 0)
 CONSTRAINTS = ("starving_gpus", "gpus_failing_startup", "unplaced_adapters")
 #: objective value of a trial with no completed request (finite: Optuna sorts it last)
@@ -73,7 +79,6 @@ def traffic_halves(wl: Workload, log_path: str | None):
     T = wl.evaluation.duration_s
     if not log_path:
         return wl, Traffic(None, T, seed=wl.evaluation.seed + 1), Traffic(None, T, seed=wl.evaluation.seed), {}
-    from lora_opt.placement.workload_file import load_request_log, split_request_log
     wl, log, span = load_request_log(wl, log_path)
     wl, first, second, half = split_request_log(wl, log, span)
     return wl, Traffic(first, half), Traffic(second, span - half), {"history": first, "history_s": half}
@@ -98,12 +103,12 @@ class SearchSetup:
     order: np.ndarray
     mem_caps: dict[int, int]
     criterion: Criterion
-    objective: str = "p99_ttft"
+    objective: str = DEFAULT_OBJECTIVE
     grace_s: float = GRACE_S
 
     @classmethod
     def build(cls, wl: Workload, pool: int, ctx: PlacementContext, criterion: Criterion | None = None,
-              objective: str = "p99_ttft") -> SearchSetup:
+              objective: str = DEFAULT_OBJECTIVE) -> SearchSetup:
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
         if not isinstance(pool, int) or pool < 1:
@@ -147,7 +152,6 @@ def decode(params: dict, setup: SearchSetup, label: str = "search") -> Placement
     k = int(params["gpus"])
     sizes = part_sizes([params[f"share_{g}"] for g in range(k)], len(order))
     gpus, routes, s = [], {}, 0
-    from twin.profile import load_profile
     prof = load_profile(wl.profile)
     for g, n in enumerate(sizes):
         idx = order[s:s + n]
@@ -217,8 +221,6 @@ class SearchResult:
 def seed_placements(setup: SearchSetup, ctx: PlacementContext, rhos=(0.7, 0.8, 0.9, 0.95)) -> list[tuple[str, Placement]]:
     """Greedy placements to start from: greedy-plus under the papers' criterion at several rho, the
     default greedy-plus, and the paper's greedy."""
-    from lora_opt.placement.policies import get_policy
-
     wl = setup.workload
     out = []
     for r in rhos:
@@ -235,8 +237,8 @@ def open_storage(storage: str, attempts: int = 5):
     sqlite3's 5 s default; and two processes opening the same *new* file both try to create its
     schema (one fails with a UNIQUE/"already exists" error), so retry: the loser then finds the
     schema made."""
-    import optuna
-    from sqlalchemy.exc import IntegrityError, OperationalError
+    import optuna  # heavy optional dependency: only when a study runs
+    from sqlalchemy.exc import IntegrityError, OperationalError  # comes with optuna
 
     if not storage.startswith("sqlite:"):
         return storage
@@ -254,11 +256,8 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
                workers: int | None = None, ray_address: str | None = None, timeout_s: float | None = 600.0,
                seeds: bool = True, progress: bool = True) -> SearchResult:
     """Run (or resume) the study until ``trials`` trials have finished."""
-    import optuna
+    import optuna  # heavy optional dependency: only when a study runs
     from optuna.trial import TrialState
-    from tqdm import tqdm
-
-    from lora_opt.parallel import TaskPool
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.perf_counter()
@@ -336,7 +335,7 @@ def nondominated(items, objectives) -> list:
 
 def pareto_front(trials) -> list:
     """Feasible complete trials no other feasible trial dominates (ties: lowest number)."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # heavy optional dependency: only when a study runs
 
     ok = [t for t in sorted(trials, key=lambda t: t.number) if t.state == TrialState.COMPLETE
           and t.values is not None and all(c <= 0 for c in t.user_attrs.get("constraints", [1.0]))]

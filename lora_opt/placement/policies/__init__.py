@@ -1,8 +1,8 @@
 """Placement policies behind one interface (``PlacementPolicy``); ``POLICIES`` names them all."""
 from __future__ import annotations
 
-from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
-                                    startup_failures)
+from lora_opt.placement.policies.base import (ORACLE_FILES, Assignment, GPUAssignment, PlacementContext,
+                                              PlacementPolicy, startup_failures)
 from lora_opt.placement.policies.baselines import DLoRA, LoRAServe
 from lora_opt.placement.policies.greedy import Greedy, GreedyFast, GreedyPlus
 from twin.errors import ScenarioError
@@ -21,5 +21,5 @@ def get_policy(name: str, **options) -> PlacementPolicy:
     return cls(**options)
 
 
-__all__ = ["POLICIES", "DEFAULT_POLICY", "get_policy", "PlacementPolicy", "PlacementContext", "Assignment",
+__all__ = ["POLICIES", "DEFAULT_POLICY", "ORACLE_FILES", "get_policy", "PlacementPolicy", "PlacementContext", "Assignment",
            "GPUAssignment", "startup_failures"]

@@ -51,10 +51,16 @@ from typing import ClassVar
 import numpy as np
 from tqdm import tqdm
 
+import twin
+from lora_opt.placement.evaluate import GRACE_S, Criterion
+from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
+                                              gpu_config)
+from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
+from lora_opt.placement.workload_file import IDLE_RATE, Workload
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
-from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
-from lora_opt.placement.workload_file import Workload
-from twin.profile import Profile
+from twin.errors import ScenarioError
+from twin.scenario import build_scenario
+from twin.workload import Requests
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
 #: the largest adapter count (and A_max) per GPU the surrogates were trained on; larger segments
@@ -72,27 +78,6 @@ AMAX_TOLERANCE = 0.99
 SURROGATE_RHO = 0.9
 #: load factors at which the starvation margin is probed
 MARGIN_GRID = np.round(np.arange(0.5, 3.0001, 0.025), 4)
-
-
-def zigzag(values: np.ndarray) -> np.ndarray:
-    """Indices of ``values`` in zig-zag order: highest, lowest, second highest, second lowest..."""
-    order = np.argsort(-values, kind="stable")
-    out = np.empty_like(order)
-    half = (len(order) + 1) // 2
-    out[0::2] = order[:half]
-    out[1::2] = order[half:][::-1]
-    return out
-
-
-def priority_order(ranks, rates) -> np.ndarray:
-    """Rank-descending groups, zig-zag by rate inside each (the paper's PrioritySorting)."""
-    ranks = np.asarray(ranks)
-    rates = np.asarray(rates, float)
-    parts = []
-    for r in sorted(set(ranks.tolist()), reverse=True):
-        idx = np.flatnonzero(ranks == r)
-        parts.append(idx[zigzag(rates[idx])])
-    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 class Segments:
@@ -149,22 +134,6 @@ def starvation_margin(oracle, seg: Segments, s: int, n: int, amax: int) -> float
     if k == 0:
         return float(SURROGATE_RHO * MARGIN_GRID[0] - 1.0)      # at most this
     return float(SURROGATE_RHO * MARGIN_GRID[k - 1] - 1.0)
-
-
-def max_loras_that_start(profile: Profile, rank: int, util: float, mnbt: int, mml: int, mns: int,
-                         limit: int = SURROGATE_MAX_ADAPTERS) -> int:
-    """Largest A_max <= ``limit`` whose instance starts, by the profile's memory model (0 if none)."""
-    lr = lora_rank_for([rank])
-    lo, hi = 0, limit                         # invariant: lo starts (or 0), hi+1.. unknown
-    if profile.startup_check(hi, lr, util, mnbt, mml, mns)[0]:
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if profile.startup_check(mid, lr, util, mnbt, mml, mns)[0]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class _GreedyBase(PlacementPolicy):
@@ -251,7 +220,6 @@ class GreedyPlus(_GreedyBase):
     def __init__(self, margin: float = 0.10, oracle: str | None = None, verify_s: float = 900.0,
                  ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True,
                  criterion=None, progress: bool = False):
-        from twin.errors import ScenarioError
         if not isinstance(max_adapters, int) or max_adapters < 1:
             raise ScenarioError(f"max_adapters: must be an integer >= 1, got {max_adapters!r}")
         #: adapters per GPU at most: beyond the surrogates' 384 only with twin verification
@@ -285,13 +253,6 @@ class GreedyPlus(_GreedyBase):
         looks fine).  The traffic: the observed requests of its adapters (``ctx.history``) with
         time compressed by 1 + margin -- bursts included -- or, without history, Poisson arrivals
         at the expected rates for ``verify_s`` seconds with the workload's lengths."""
-        import twin
-        from twin.scenario import build_scenario
-        from twin.workload import Requests
-
-        from lora_opt.placement.evaluate import GRACE_S, Criterion
-        from lora_opt.placement.policies.base import gpu_config
-        from lora_opt.placement.workload_file import IDLE_RATE
         ads = [wl.adapters[i] for i in idx]
         cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
         criterion = self.criterion or Criterion(rho=wl.rho)

@@ -1,0 +1,29 @@
+"""``lora-opt calibrate-e2e``: fit the constants only end-to-end runs identify, on half of them."""
+from __future__ import annotations
+
+import argparse
+
+from lora_opt.calibration.realruns import REAL_RUNS_CSV
+from lora_opt.errors import InputError
+
+
+def register(sub) -> None:
+    e = sub.add_parser("calibrate-e2e", help="fit the constants only end-to-end runs identify, on half of them")
+    e.add_argument("--model", help="model name as in the CSV (default: every bundled model)")
+    e.add_argument("--runs", default=str(REAL_RUNS_CSV))
+    e.add_argument("--workers", type=int, help="parallel workers (default: all cores)")
+    e.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imports inside run: only the command that runs pays for them (start-up time)
+    from lora_opt.calibration.e2e_fit import FIT_HALF, fit_model
+
+    models = [args.model] if args.model else sorted(FIT_HALF)
+    for m in models:
+        if m not in FIT_HALF:
+            raise InputError(f"--model {m!r}: allowed values: {', '.join(sorted(FIT_HALF))}")
+        rec = fit_model(m, args.runs, workers=args.workers)
+        print(f"{m}: {rec['params']} (fit half {rec['fit_half']!r}, {rec['fit_runs']} runs, "
+              f"loss {rec['fit_half_loss']:.2f} %, {rec['wall_s']:.0f} s)")
+    return 0

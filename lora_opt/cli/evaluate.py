@@ -1,0 +1,62 @@
+"""``lora-opt evaluate``: replay a placement's traffic on the twin, one simulation per GPU (Ray)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lora_opt.cli.common import add_ray_flags
+from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
+from twin.workload import TRACES
+
+
+def register(sub) -> None:
+    ev = sub.add_parser("evaluate", help="replay a placement's traffic on the twin, one simulation per GPU (Ray)")
+    ev.add_argument("placement", help="placement.json written by lora-opt place")
+    ev.add_argument("--workload", help="workload file (its evaluation section); default: Poisson at the placement's rates")
+    ev.add_argument("--arrivals", choices=list(ARRIVAL_PROCESSES), help="arrival process")
+    ev.add_argument("--trace", help=f"trace to replay ({', '.join(TRACES)}, or a CSV); implies --arrivals trace")
+    ev.add_argument("--mapping", choices=list(TRACE_MAPPINGS), help="trace requests -> adapters")
+    ev.add_argument("--time-scale", type=float, help="trace: multiply inter-arrival times (< 1 = more load)")
+    ev.add_argument("--start-s", type=float, help="trace: skip this many (scaled) seconds")
+    ev.add_argument("--duration-s", type=float, help="replayed seconds")
+    ev.add_argument("--lengths", help=f"length model ({', '.join(LENGTH_SOURCES)})")
+    ev.add_argument("--seed", type=int, help="seed of arrivals, lengths, mapping and routing draws")
+    add_ray_flags(ev)
+    ev.add_argument("--grace-s", type=float, default=60.0,
+                    help="starvation verdict ignores requests arriving this close to the end (0 = benchmark_serving's definition)")
+    ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
+    ev.add_argument("--out", help="also write the evaluation JSON here")
+    ev.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imports inside run: only the command that runs pays for them (start-up time)
+    from lora_opt.placement.evaluate import evaluate_placement, evaluation_table, with_evaluation, workload_from_placement
+    from lora_opt.placement.plan import Placement, PlacementError
+    from lora_opt.placement.workload_file import load_workload
+
+    if not Path(args.placement).exists():
+        raise PlacementError(f"placement file not found: {args.placement}")
+    try:
+        p = Placement.load(args.placement)
+    except json.JSONDecodeError as exc:
+        raise PlacementError(f"{args.placement}: not a placement JSON ({exc})") from None
+    wl = load_workload(args.workload) if args.workload else workload_from_placement(p)
+    wl = with_evaluation(wl, process=args.arrivals, trace=args.trace, mapping=args.mapping,
+                         time_scale=args.time_scale, start_s=args.start_s, duration_s=args.duration_s,
+                         lengths=args.lengths, seed=args.seed)
+    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address, progress=not args.json,
+                            grace_s=args.grace_s)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(ev, indent=1))
+    if args.json:
+        print(json.dumps(ev))
+    else:
+        arrivals = wl.evaluation.arrivals
+        print(f"placement {args.placement} ({p.policy}), workload {wl.name}: replay "
+              f"{arrivals.process}{' ' + arrivals.trace if arrivals.trace else ''}"
+              f", {wl.evaluation.duration_s:,.0f} s, rho {wl.rho}")
+        print(evaluation_table(ev))
+    return 0

@@ -1,0 +1,37 @@
+"""``lora-opt fidelity``: replay the real vLLM runs on the twin and compare, with the published twin."""
+from __future__ import annotations
+
+import argparse
+
+from lora_opt.calibration.realruns import REAL_RUNS_CSV
+from lora_opt.cli.common import add_ray_flags
+
+
+def register(sub) -> None:
+    f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
+    f.add_argument("--runs", default=str(REAL_RUNS_CSV),
+                   help="real runs CSV (default: the bundled one)")
+    f.add_argument("--family", help="only experiments containing this text (e.g. rank_16_rates_1.6)")
+    f.add_argument("--out", default="outputs/fidelity", help="report directory")
+    add_ray_flags(f)
+    f.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imports inside run: only the command that runs pays for them (start-up time)
+    from lora_opt.calibration.fidelity import run_fidelity
+
+    cmd = "lora-opt fidelity" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
+    summary = run_fidelity(args.runs, family=args.family, out_dir=args.out, workers=args.workers,
+                           ray_address=args.ray_address, command=cmd)
+    o = summary["smape"]["report half"]
+    print(f"{summary['n_runs']} runs in {summary['wall_s']:.0f} s; report half ({o['n_runs']} runs), SMAPE % "
+          "(ours sharegpt / ours mean / published twin on its runs):")
+    for name in ("throughput", "itl_mean", "ttft_mean", "tpot_mean", "running_mean"):
+        e = o[name]
+        peer = f" / {e['peer']:.1f}" if e.get("peer") is not None and e.get("peer_runs") else ""
+        print(f"  {name:<13} {e['sharegpt']:6.1f} / {e['mean']:6.1f}{peer}")
+    mp = summary["max_pack"]
+    print(f"  Max_pack exact {mp['exact']}/{mp['n']}, within one step {mp['within_one']}/{mp['n']}")
+    print(f"report -> {args.out}/report.md")
+    return 0

@@ -1,0 +1,48 @@
+"""``lora-opt pareto``: GPU count vs latency fronts -- rho and SLO sweeps, greedy policies and search."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from lora_opt.cli.common import add_ray_flags, add_tracking_flag
+from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
+
+
+def register(sub) -> None:
+    pa = sub.add_parser("pareto", help="GPU count vs latency fronts: rho and SLO sweeps, greedy policies and search")
+    pa.add_argument("--workload", required=True, help="workload YAML/JSON")
+    pa.add_argument("--gpus", type=int, default=4, help="GPUs in the pool (default 4)")
+    pa.add_argument("--rhos", type=float, nargs="+", default=[0.70, 0.75, 0.80, 0.85, 0.90, 0.95])
+    pa.add_argument("--ttft-slos-ms", type=float, nargs="*", default=[1000.0, 5000.0],
+                    help="p99-style TTFT targets, each a criterion with --attainment (default 1000 5000)")
+    pa.add_argument("--itl-slos-ms", type=float, nargs="*", default=[100.0], help="ITL targets (default 100)")
+    pa.add_argument("--attainment", type=float, default=0.9)
+    pa.add_argument("--history", metavar="LOG.csv",
+                    help="request log (as for place): rates, greedy-plus verification and search traffic from "
+                         "its first half; every point replayed on its second half")
+    pa.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES))
+    pa.add_argument("--trials", type=int, default=24, help="search trials per criterion (0 = greedy policies only)")
+    pa.add_argument("--ref-latency-ms", type=float, default=60_000.0,
+                    help="hypervolume reference latency (default 60 s)")
+    add_ray_flags(pa)
+    pa.add_argument("--out", help="output directory (default: outputs/pareto-<workload>)")
+    add_tracking_flag(pa)
+    pa.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # imports inside run: only the command that runs pays for them (start-up time)
+    from lora_opt.placement.workload_file import load_workload
+    from lora_opt.search.pareto import ParetoConfig, criteria_sweep, pareto_report
+
+    wl = load_workload(args.workload)
+    criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
+    config = ParetoConfig(criteria, objective=args.objective, trials=args.trials,
+                          ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address)
+    command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
+    _, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
+                           tracking_uri=args.tracking_uri, command=command)
+    print((out / "report.md").read_text().split("## Every point")[0])
+    print(f"-> {out}/report.md, pareto.json, pareto_front.png")
+    return 0
