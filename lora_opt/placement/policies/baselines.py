@@ -10,9 +10,11 @@ import math
 
 import numpy as np
 
-from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
+import twin
 from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
 from lora_opt.placement.workload_file import Workload
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
+from twin.scenario import build_scenario
 
 
 class DLoRA(PlacementPolicy):
@@ -77,9 +79,6 @@ def single_adapter_capacity(profile_name: str, rank: int, mnbt: int, mns: int, u
                             duration_s: float = 120.0, rate: float = 40.0) -> float:
     """The twin's throughput (tok/s) for one adapter of this rank at a saturating rate: LoRAServe's
     per-rank operating point ("the maximum profiled throughput for a single adapter")."""
-    import twin
-    from twin.scenario import build_scenario
-
     eng = {"max_loras": 1, "max_lora_rank": lora_rank_for([rank]), "max_num_batched_tokens": mnbt,
            "max_num_seqs": mns, "gpu_memory_utilization": util}
     if mml:
