@@ -21,7 +21,7 @@ from numba import njit
 import twin.kernel  # noqa: F401  (kernel cache locator: install before any @njit(cache=True))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _oldest(resident, stamp):
     """The resident adapter with the smallest stamp."""
     best = -1
@@ -115,7 +115,7 @@ def _dispatch(policies):
 evict_victim = _dispatch(list(POLICIES.values()))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _drop(res, a):
     res[a] = 0
 

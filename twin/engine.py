@@ -34,11 +34,14 @@ Skipping blocked requests without scanning them (waiting queues of 10^4 under st
 linked lists over the same requests: the global FCFS order, and one FIFO per adapter.  When the
 LoRA set is full, the next admissible request is the earliest head among the set's adapters.
 
-**Online use.**  An engine fed live (an HTTP emulator) builds a state with
-``twin.kernel.state.make_state`` (no requests, a long ``duration``), appends each request as it
-arrives with ``twin.kernel.state.add_request(s, now, in_len, out_len, adapter)`` and calls
-:func:`step` until it returns ``WAITED``/``DONE`` (nothing to run before the next arrival); first
-tokens and finishes are read from the state (``s.first_t``, ``s.finish_t``) or ``results``.
+**Online use.**  An engine fed live (an HTTP emulator) builds a state with no requests
+(``twin.simulate.engine_state`` with empty ``Requests``; a ``duration`` as long as the session,
+no early stop), appends each request as it arrives with
+``twin.kernel.state.add_request(s, now, in_len, out_len, adapter)`` (arrival order; the
+per-request arrays grow) and calls :func:`step` while it returns ``STEPPED``; ``WAITED`` /
+``DONE`` mean nothing runs before the next arrival.  ``s.t`` is the simulated clock; first-token
+and finish times are in ``results(s)``.  ``tests/test_engine.py`` drives a state this way and gets
+the offline run's numbers exactly.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def starvation_certain(s):
     return bound < st.target
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def stop_check_due(s):
     """An early-stop check is due now (the fast forward stops there)."""
     return s.stop.target > 0.0 and s.t >= s.next_stop_check

@@ -7,7 +7,7 @@ from numba import njit
 from twin.kernel.queues import requeue
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def blocks_for(tokens, block_size):
     """Blocks that hold ``tokens`` tokens."""
     return (tokens + block_size - 1) // block_size

@@ -12,7 +12,7 @@ NONE = -1
 """No request (end of a list, empty list)."""
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _push_back(r, prev, nxt, head, tail):
     """Append ``r`` to a doubly linked list; returns the new (head, tail)."""
     prev[r] = tail
@@ -24,7 +24,7 @@ def _push_back(r, prev, nxt, head, tail):
     return head, r
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _push_front(r, prev, nxt, head, tail):
     """Prepend ``r`` to a doubly linked list; returns the new (head, tail)."""
     nxt[r] = head
@@ -36,7 +36,7 @@ def _push_front(r, prev, nxt, head, tail):
     return r, tail
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _unlink(r, prev, nxt, head, tail):
     """Remove ``r`` from a doubly linked list; returns the new (head, tail)."""
     if prev[r] != NONE:

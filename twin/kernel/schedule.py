@@ -14,7 +14,7 @@ LORA_SET_RUNNING = 1
 """vLLM 0.33: the LoRA set is the adapters of every running request."""
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _set_add(s, a):
     """Add adapter ``a`` to this step's LoRA set (stamps ``set_stamp[a] == step`` plus a list)."""
     if s.set_stamp[a] != s.step:
@@ -23,7 +23,7 @@ def _set_add(s, a):
         s.n_set += 1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _add_to_batch(s, r, num_new):
     s.sched_tok[r] = num_new
     s.n_tokens += num_new

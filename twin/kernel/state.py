@@ -1,12 +1,23 @@
 """The kernel's state: one object holding a run's inputs, its mutable state and its outputs.
 
 ``EngineState`` is a Numba *structref* (a mutable struct passed by reference, fields read and
-written as attributes in compiled code).  Measured against a ``jitclass`` with the same fields and
-the same kernel code (``lora-opt bench twin``, 2-core shared machine, best of 3 per scenario) the
-structref ran as fast, and only the structref's kernel can be cached (``cache=True``): a function
-taking a jitclass instance is recompiled in every process.  Named tuples of arrays were not kept:
-every mutable scalar (clock, counters, list heads) would live in a slot of a shared array.
-See the commit message of the state object for the numbers.
+written as attributes in compiled code).  Candidates measured with the same kernel code (CPU
+seconds per simulated hour, best of 3, ``lora-opt bench twin`` scenarios 2 req/s / 10 req/s /
+30 req/s / 60 req/s / papers 128 slots / papers 64 slots; 2-core machine shared with other jobs):
+
+=============  =======================================  ===================  ==================
+state          run time (s)                             first compile (CPU)  next process
+=============  =======================================  ===================  ==================
+old kernel     .041 / .153 / .541 / .578 / .119 / .572  11.2 s               0.8 s (cache)
+structref      .038 / .139 / .385 / .420 / .119 / .450  14.0 s               0.8 s (cache)
+jitclass       .036 / .131 / .345 / .380 / .112 / .423  15-19 s (wall)       15 s (no cache)
+=============  =======================================  ===================  ==================
+
+The jitclass runs ~5-10 % faster than the structref but cannot be cached (its instance type
+carries a per-process id, so every function taking it misses the cache: ~15 s of compilation in
+every process, every Ray worker and every ``bench`` child), so the structref is kept.  Named
+tuples of arrays were not kept either: every mutable scalar (clock, counters, list heads) would
+live in a slot of a shared array, indexed by name constants.
 
 Immutable inputs are named tuples (``Config``, ``Latency``, ``EarlyStop``); everything the engine
 changes is a field of the state.  Per-request arrays have a *capacity* >= ``n_req``: requests can
