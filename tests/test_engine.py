@@ -320,8 +320,8 @@ def test_engine_step_time_is_the_profile_step_model(n_seqs, extra_tokens, ctx, n
                                                      profile):
     """The Numba kernel's step time and ``LatencySpec.model_ms`` + ``scheduler_ms`` (the one
     documented formula) agree, with the arguments ``twin.simulate`` passes."""
-    from twin.kernel.cost import step_seconds
-    from twin.kernel.state import Latency
+    from twin.engine_cost import step_seconds
+    from twin.engine_state import Latency
     lat = twin.load_profile(profile).latency
     lora = lat.lora_for_rank(rank)
     n_distinct = min(n_distinct, max_loras, n_seqs)
@@ -374,7 +374,7 @@ def test_requests_appended_to_a_live_state_as_they_arrive():
     appended request is in, as the next arrival an idle engine sleeps until.  Stepping it gives
     the same times as the offline run over all requests."""
     from twin.engine import DONE, results, run_engine, step
-    from twin.kernel.state import add_request
+    from twin.engine_state import add_request
     from twin.workload import Requests
     sc = scenario_from_dict(small_scenario(duration_s=30))
     offline, req = _state(sc)

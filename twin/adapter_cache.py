@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-import twin.kernel  # noqa: F401  (kernel cache locator: install before any @njit(cache=True))
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
 
 
 @njit(cache=True)

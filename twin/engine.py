@@ -2,33 +2,49 @@
 
 This is the simulator core.  It is compiled with Numba (``cache=True``) because a simulated hour
 is 10^4..10^5 steps over up to thousands of requests; everything works on flat arrays held by one
-state object (``twin.kernel.state.EngineState``), and each concern is a small function of it in
-``twin.kernel`` (see that package's docstring for the map) or ``twin.adapter_cache``.
+state object (``twin.engine_state.EngineState``), and each concern is a small function of it in
+its own module (map below).
 
 One call of :func:`step` = one vLLM engine step (V1 scheduler, reference §3.1):
 
-1. arrivals with ``arrival <= now`` join the tail of WAITING (``queues.take_arrivals``);
+1. arrivals with ``arrival <= now`` join the tail of WAITING (``engine_queues.take_arrivals``);
 2. RUNNING loop in admission order: each request asks for ``prompt + generated - computed``
    tokens (1 for a decode, the rest of the prompt for a prefill chunk), capped by the step's token
    budget; when its KV blocks cannot be allocated, the most recently admitted running request is
    recompute-preempted to the head of WAITING, until the allocation fits or the victim is the
-   request itself (then the loop stops) (``schedule.schedule_running``);
+   request itself (then the loop stops) (``engine_schedule.schedule_running``);
 3. the LoRA set: adapters of the requests scheduled so far (0.8.5) or of every running request
    (0.33);
 4. WAITING loop (only when nothing was preempted): FCFS; a request whose adapter is outside a full
    LoRA set is skipped (vLLM ``continue``s, it does not block); admission stops at the first
    request whose prompt does not fit in free KV blocks, at ``max_num_seqs`` running, or when the
-   token budget is spent (``schedule.admit_waiting``);
+   token budget is spent (``engine_schedule.admit_waiting``);
 5. adapters of the batch are made resident: GPU slots are a cache of ``max_loras`` over a CPU
    cache of ``max_cpu_loras`` over disk; misses are charged at step start
    (``twin.adapter_cache.load_batch_adapters``);
-6. step time = scheduler time + load time + model time (profile estimators, ``cost``); every
+6. step time = scheduler time + load time + model time (profile estimators, ``engine_cost``); every
    scheduled request advances, those that completed their prompt+generated tokens sample one
-   token, those with all output tokens finish and free their blocks (``record.advance_batch``).
+   token, those with all output tokens finish and free their blocks (``engine_record.advance_batch``).
 
 Without V1's chunked prefill (V0), 2-4 are reordered: a prefill-only step when any waiting request
-is admitted, else a decode step.  Between steps :func:`run_engine` takes the early stop and the
-fast forward (identical decode-only steps in one go).
+is admitted, else a decode step.  Before 2, a step records the time-series samples due and checks
+the early stop (certain starvation, every 10 simulated seconds); between steps, :func:`run_engine`
+takes the fast forward (identical decode-only steps in one go).
+
+============================  ====================================================================
+``twin.engine_state``         the state object (inputs, mutable state, outputs), its constructor,
+                              ``add_request`` (append a request to a live state), ``results``
+``twin.engine_queues``        WAITING: global FCFS list and one FIFO per adapter; arrivals
+``twin.engine_kv``            KV blocks, recompute preemption
+``twin.engine_schedule``      one step's batch: RUNNING loop, LoRA set, WAITING (admission) loop
+``twin.adapter_cache``        GPU slots over CPU cache over disk; eviction policies, their registry
+``twin.engine_cost``          step time (the profile's estimators)
+``twin.engine_record``        advancing the batch, ITL samples, time series, running/waiting areas
+``twin.engine_early_stop``    certain starvation (token cap and least-work bound)
+``twin.engine_fast_forward``  identical decode-only steps in one go
+``twin.engine_invariants``    per-step invariants (``check_invariants``, property tests)
+``twin.numba_cache``          keeps Numba's cache of the kernel fresh across these modules
+============================  ====================================================================
 
 Skipping blocked requests without scanning them (waiting queues of 10^4 under starvation) uses two
 linked lists over the same requests: the global FCFS order, and one FIFO per adapter.  When the
@@ -37,25 +53,26 @@ LoRA set is full, the next admissible request is the earliest head among the set
 **Online use.**  An engine fed live (an HTTP emulator) builds a state with no requests
 (``twin.simulate.engine_state`` with empty ``Requests``; a ``duration`` as long as the session,
 no early stop), appends each request as it arrives with
-``twin.kernel.state.add_request(s, now, in_len, out_len, adapter)`` (arrival order; the
-per-request arrays grow) and calls :func:`step` while it returns ``STEPPED``; ``WAITED`` /
-``DONE`` mean nothing runs before the next arrival.  ``s.t`` is the simulated clock; first-token
-and finish times are in ``results(s)``.  ``tests/test_engine.py`` drives a state this way and gets
+``twin.engine_state.add_request(s, now, in_len, out_len, adapter)`` (arrival order; the
+per-request arrays grow) and calls :func:`step` until it returns ``DONE`` (nothing left to run
+before another request comes in; ``WAITED``: the clock jumped to the next appended arrival).
+``s.t`` is the simulated clock; first-token and finish times are in ``results(s)``.  ``tests/test_engine.py`` drives a state this way and gets
 the offline run's numbers exactly.
 """
 from __future__ import annotations
 
 from numba import njit
 
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
 from twin.adapter_cache import load_batch_adapters
-from twin.kernel.cost import step_seconds
-from twin.kernel.early_stop import starvation_certain
-from twin.kernel.fast_forward import skip_steady_steps, steady
-from twin.kernel.invariants import check_invariants
-from twin.kernel.queues import next_arrival_in, take_arrivals
-from twin.kernel.record import account_areas, advance_batch, drop_finished, record_timeseries
-from twin.kernel.schedule import LORA_SET_RUNNING, LORA_SET_SCHEDULED, schedule
-from twin.kernel.state import results
+from twin.engine_cost import step_seconds
+from twin.engine_early_stop import starvation_certain
+from twin.engine_fast_forward import skip_steady_steps, steady
+from twin.engine_invariants import check_invariants
+from twin.engine_queues import next_arrival_in, take_arrivals
+from twin.engine_record import account_areas, advance_batch, drop_finished, record_timeseries
+from twin.engine_schedule import LORA_SET_RUNNING, LORA_SET_SCHEDULED, schedule
+from twin.engine_state import results
 
 __all__ = ["DONE", "LORA_SET_RUNNING", "LORA_SET_SCHEDULED", "STEPPED", "STOPPED", "WAITED",
            "results", "run_engine", "step"]

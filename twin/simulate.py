@@ -18,7 +18,7 @@ import numpy as np
 from twin.adapter_cache import POLICIES
 from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
 from twin.errors import ScenarioError
-from twin.kernel.state import Config, EarlyStop, EngineState, Latency, make_state
+from twin.engine_state import Config, EarlyStop, EngineState, Latency, make_state
 from twin.profile import Profile
 from twin.scenario import Scenario
 from twin.workload import Requests, generate_requests
@@ -271,7 +271,7 @@ def engine_state(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_to
                  stop_grace_s: float = 0.0) -> EngineState:
     """The engine kernel's state at t = 0 for ``req`` (see ``twin.engine``: ``run_engine`` runs it
     to the end, ``step`` one scheduler step at a time; an online engine starts from no requests
-    and appends them with ``twin.kernel.state.add_request``)."""
+    and appends them with ``twin.engine_state.add_request``)."""
     _, ranks, _ = sc.adapter_table()
     cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
     disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from numba import njit
 
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+
 
 @njit(cache=True)
 def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, load_ms):
     """Seconds of one step with ``n_seqs`` sequences, ``n_tokens`` tokens, ``ctx`` context tokens
     read, ``n_distinct`` adapters, ``n_running`` running and ``n_scanned`` waiting requests visited
-    by the scheduler, ``load_ms`` of adapter loads.  ``lat``: ``twin.kernel.state.Latency``.
+    by the scheduler, ``load_ms`` of adapter loads.  ``lat``: ``twin.engine_state.Latency``.
     The LoRA factor multiplies the per-sequence (decode-like) part; prefill tokens beyond one per
     sequence pay ``lora_prefill_share`` of the extra cost."""
     decode = lat.base_ms + lat.per_seq_ms * n_seqs + lat.per_ctx_ktoken_ms * ctx / 1000.0

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from twin.kernel.cost import step_seconds
-from twin.kernel.early_stop import stop_check_due
-from twin.kernel.record import account_areas, record_regular
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.engine_cost import step_seconds
+from twin.engine_early_stop import stop_check_due
+from twin.engine_record import account_areas, record_regular
 
 
 @njit(cache=True)

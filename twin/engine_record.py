@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+
 
 @njit(cache=True)
 def _grow(arr, n):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from numba import njit
 
-from twin.kernel.kv import blocks_for, preempt_newest
-from twin.kernel.queues import NONE, dequeue, first_in_set, waiting_in_set
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.engine_kv import blocks_for, preempt_newest
+from twin.engine_queues import NONE, dequeue, first_in_set, waiting_in_set
 
 LORA_SET_SCHEDULED = 0
 """vLLM 0.8.5: the LoRA set is the adapters of the requests scheduled so far in the step."""

@@ -32,7 +32,8 @@ import numpy as np
 from numba import njit, types
 from numba.experimental import structref
 
-from twin.kernel.queues import NONE
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.engine_queues import NONE
 
 Config = namedtuple("Config", [
     "max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "kv_blocks",
@@ -45,7 +46,7 @@ _CONFIG_TYPES = ([types.int64] * 7 + [types.boolean, types.boolean, types.int64,
 Latency = namedtuple("Latency", [
     "base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms", "lora_jump", "lora_slope",
     "lora_nsat", "lora_prefill_share", "sched_base_ms", "sched_per_running_ms", "sched_per_waiting_ms"])
-"""The profile's step-time estimators (ms); see ``twin.kernel.cost``."""
+"""The profile's step-time estimators (ms); see ``twin.engine_cost``."""
 
 EarlyStop = namedtuple("EarlyStop", [
     "target", "cap_tok_s", "token_factor", "kv_tokens",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+
 NONE = -1
 """No request (end of a list, empty list)."""
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from twin.kernel.queues import requeue
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.engine_queues import requeue
 
 
 @njit(cache=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from twin.kernel.schedule import LORA_SET_RUNNING
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.engine_schedule import LORA_SET_RUNNING
 
 
 @njit(cache=True)

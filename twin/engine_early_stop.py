@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from numba import njit
 
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+
 
 @njit(cache=True)
 def _least_work_tokens(s, budget_s):
