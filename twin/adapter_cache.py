@@ -161,12 +161,13 @@ def use_adapter(s, a):
 def load_batch_adapters(s):
     """Adapters of the batch are made resident (misses charged at step start): sets ``s.load_ms``
     and ``s.n_distinct`` (distinct adapters in the batch)."""
+    batch, req_adapter, seen, step = s.batch, s.req_adapter, s.batch_stamp, s.step
     s.load_ms = 0.0
-    s.n_distinct = 0
+    n_distinct = 0
     for j in range(s.n_batch):
-        a = s.req_adapter[s.batch[j]]
-        if s.batch_stamp[a] == s.step:
-            continue
-        s.batch_stamp[a] = s.step
-        s.n_distinct += 1
-        use_adapter(s, a)
+        a = req_adapter[batch[j]]
+        if seen[a] != step:
+            seen[a] = step
+            n_distinct += 1
+            use_adapter(s, a)
+    s.n_distinct = n_distinct
