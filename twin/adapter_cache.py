@@ -11,7 +11,9 @@ subclass in :data:`POLICIES` below (``name`` for the scenario file, ``victim``, 
 reference ``simulate`` -- the base class's is right whenever the victim is the smallest of one
 stamp that a hit refreshes or not).  The kernel reaches the victim function through
 :func:`evict_victim`, an if-chain on the policy's code generated from the registry, so nothing
-else changes; the contract tests in ``tests/test_adapter_cache.py`` run every registered policy.
+else in the kernel changes; the contract tests in ``tests/test_adapter_cache.py`` run every
+registered policy.  (Scenario files are validated against ``twin.scenario.ADAPTER_CACHE_POLICIES``,
+a tuple of names a test keeps equal to :data:`POLICIES`: the new name goes there too.)
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def _dispatch(policies):
     if not policies:
         @njit(inline="always")
         def unknown(code, resident, loaded_at, used_at):
-            return -1
+            raise ValueError("unknown adapter-cache policy code")
         return unknown
     code, victim, rest = policies[0].code, policies[0].victim, _dispatch(policies[1:])
 
@@ -116,17 +118,12 @@ evict_victim = _dispatch(list(POLICIES.values()))
 
 
 @njit(cache=True)
-def _drop(res, a):
-    res[a] = 0
-
-
-@njit(cache=True)
 def _insert(res, loaded, used, n, cap, a, clock, policy):
     """Load ``a`` into a tier holding ``n`` of ``cap``; returns (new count, evicted adapter or -1)."""
     v = -1
     if n >= cap:
         v = evict_victim(policy, res, loaded, used)
-        _drop(res, v)
+        res[v] = 0
         n -= 1
     res[a] = 1
     loaded[a] = clock
@@ -145,7 +142,7 @@ def use_adapter(s, a):
         s.loads_disk += 1
         s.n_cpu, v = _insert(s.cpu_res, s.cpu_loaded, s.cpu_used, s.n_cpu, s.cfg.max_cpu_loras, a, s.clock, policy)
         if v >= 0 and s.gpu_res[v]:         # evicting from CPU also deactivates the GPU slot
-            _drop(s.gpu_res, v)
+            s.gpu_res[v] = 0
             s.n_gpu -= 1
     else:
         s.cpu_used[a] = s.clock
