@@ -53,3 +53,34 @@ def test_engine_matches_reference_policy(name):
 def test_lru_and_fifo_differ_on_a_hot_adapter():
     seq = [0, 1, 2, 0, 3, 0, 4, 0, 5, 0]
     assert POLICIES["lru"].simulate(2, seq)[1] < POLICIES["fifo"].simulate(2, seq)[1]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_keeps_the_kernel_invariants_with_disk_and_cpu_loads(name):
+    """Contract of a registered policy: the engine runs with it and keeps its invariants at every
+    step (check_invariants) when the CPU cache is smaller than the adapter set (disk loads) and the
+    GPU slots smaller than the CPU cache (CPU loads)."""
+    sc = scenario_from_dict(small_scenario(
+        engine={"max_loras": 2, "max_cpu_loras": 4, "adapter_cache_policy": name},
+        adapters=[{"count": 9, "rank": 8, "rate": 0.4}], duration_s=120))
+    res = twin.simulate(sc, check_invariants=True)
+    assert res.status == "ok" and res.completed > 0
+    assert res.adapter_loads_disk > 0 and res.adapter_loads_cpu > res.adapter_loads_disk
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_kernel_dispatch_reaches_the_policys_victim_function(name):
+    from twin.adapter_cache import _insert
+    pol = POLICIES[name]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        resident = (rng.random(12) < 0.6).astype(np.int64)
+        resident[rng.integers(12)] = 1
+        loaded = rng.permutation(12).astype(np.int64)
+        used = loaded + rng.integers(0, 50, 12)
+        expected = pol.victim(resident, loaded, used)
+        assert resident[expected]
+        n = int(resident.sum())
+        _, evicted = _insert(resident, loaded, used, n, n, int(np.flatnonzero(resident == 0)[0]) if n < 12 else 0,
+                             99, pol.code)
+        assert evicted == expected

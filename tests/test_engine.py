@@ -320,14 +320,73 @@ def test_engine_step_time_is_the_profile_step_model(n_seqs, extra_tokens, ctx, n
                                                      profile):
     """The Numba kernel's step time and ``LatencySpec.model_ms`` + ``scheduler_ms`` (the one
     documented formula) agree, with the arguments ``twin.simulate`` passes."""
-    from twin.engine import _step_seconds
+    from twin.engine_cost import step_seconds
+    from twin.engine_state import Latency
     lat = twin.load_profile(profile).latency
     lora = lat.lora_for_rank(rank)
     n_distinct = min(n_distinct, max_loras, n_seqs)
     n_tokens = n_seqs + extra_tokens
-    kernel = _step_seconds(n_seqs, n_tokens, ctx, n_distinct, 0, 0, 0.0,
-                           lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms,
-                           lora.jump_at(max_loras), lora.slope, lora.n_sat, lora.prefill_share,
-                           lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms) * 1000.0
+    coefs = Latency(lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(max_loras),
+                    lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
+                    lat.sched_per_waiting_ms)
+    kernel = step_seconds(coefs, n_seqs, n_tokens, ctx, n_distinct, 0, 0, 0.0) * 1000.0
     model = lat.model_ms(n_seqs, n_tokens, ctx, n_distinct, rank, max_loras) + lat.scheduler_ms(0, 0)
     assert kernel == pytest.approx(model, rel=1e-12)
+
+
+def _state(sc, requests=None):
+    from twin.simulate import engine_state
+    prof = sc.load_profile()
+    eng = sc.resolved_engine(prof)
+    _, kv_tokens, _ = prof.startup_check(eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
+                                         eng["max_num_batched_tokens"], eng["max_model_len"], eng["max_num_seqs"])
+    req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
+    return engine_state(sc, prof, eng, req, kv_tokens), req
+
+
+def _same_requests(a, b):
+    for x, y in zip(a[:4], b[:4]):              # first token, running at first token, finish, dropped
+        assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
+    assert np.array_equal(a[11], b[11])         # steps, preemptions, loads, samples, dropped
+
+
+@pytest.mark.parametrize("over", [{}, {"profile": "llama-2-7b-h100-64gb", "engine": {"max_num_batched_tokens": 8192}},
+                                  {"profile": "tests/data/profile-0.33.yaml", "client": {"max_inflight": 6}},
+                                  {"engine": {"max_loras": 2, "max_cpu_loras": 3, "adapter_cache_policy": "fifo"}}])
+def test_stepping_from_python_equals_run_engine(over):
+    """Driving the step function one scheduler step at a time from Python gives the same
+    per-request first-token and finish times (and counters) as run_engine with its fast forward."""
+    from twin.engine import DONE, STEPPED, results, run_engine, step
+    sc = scenario_from_dict(small_scenario(**over, duration_s=30))
+    whole, _ = _state(sc)
+    expected = run_engine(whole, False, True)
+    s, _ = _state(sc)
+    outcomes = []
+    while (o := step(s)) < DONE:
+        outcomes.append(o)
+    assert outcomes.count(STEPPED) > 100
+    _same_requests(results(s), expected)
+
+
+def test_requests_appended_to_a_live_state_as_they_arrive():
+    """The online pattern: the state starts with no request and each one is appended
+    (add_request, arrays grown on the way) once the clock reaches its arrival -- or, when every
+    appended request is in, as the next arrival an idle engine sleeps until.  Stepping it gives
+    the same times as the offline run over all requests."""
+    from twin.engine import DONE, results, run_engine, step
+    from twin.engine_state import add_request
+    from twin.workload import Requests
+    sc = scenario_from_dict(small_scenario(duration_s=30))
+    offline, req = _state(sc)
+    expected = run_engine(offline, False, True)
+    s, _ = _state(sc, Requests(arrival=req.arrival[:0], adapter=req.adapter[:0], in_len=req.in_len[:0],
+                               out_len=req.out_len[:0]))
+    k = 0
+    while True:
+        while k < len(req) and (req.arrival[k] <= s.t or s.next_arr == s.n_req):
+            add_request(s, req.arrival[k], req.in_len[k], req.out_len[k], req.adapter[k])
+            k += 1
+        if step(s) >= DONE and k == len(req):
+            break
+    assert s.n_req == len(req) > 100
+    _same_requests(results(s), expected)

@@ -18,6 +18,7 @@ import numpy as np
 from twin.adapter_cache import POLICIES
 from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
 from twin.errors import ScenarioError
+from twin.engine_state import Config, EarlyStop, EngineState, Latency, make_state
 from twin.profile import Profile
 from twin.scenario import Scenario
 from twin.workload import Requests, generate_requests
@@ -246,6 +247,54 @@ def _unserved(status: str, T: float, incoming: float, starving: bool, kv_tokens,
         wall_s=time.perf_counter() - t_wall, engine=eng)
 
 
+#: the engine's in-flight cap when the client has none (never reached)
+NO_CLIENT_CAP = 2**62
+
+
+def _early_stop(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tokens: int,
+                stop_grace_s: float) -> EarlyStop:
+    """The kernel's early-stop inputs (target 0 = off; see ``simulate``'s ``stop_grace_s``)."""
+    if not (sc.early_stop and len(req)):
+        return EarlyStop(0.0, 0.0, 1.0, kv_tokens, *NO_WORK_BOUND)
+    tok = req.in_len + req.out_len
+    factor = float((tok / np.maximum(tok - 1, 1)).max())
+    # with a grace, certain that the tokens of requests arriving before T - grace are served
+    # below rho (completed tokens of all requests bound those of the early ones)
+    T = sc.duration_s
+    stop_target = sc.rho * (int(tok.sum()) if stop_grace_s <= 0 else
+                            int(tok[req.arrival < T - stop_grace_s].sum()))
+    cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+    return EarlyStop(stop_target, cap, factor, kv_tokens, *work_buckets(profile.latency, eng, req.in_len, req.out_len))
+
+
+def engine_state(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tokens: int,
+                 stop_grace_s: float = 0.0) -> EngineState:
+    """The engine kernel's state at t = 0 for ``req`` (see ``twin.engine``: ``run_engine`` runs it
+    to the end, ``step`` one scheduler step at a time; an online engine starts from no requests
+    and appends them with ``twin.engine_state.add_request``)."""
+    _, ranks, _ = sc.adapter_table()
+    cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
+    disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])
+    residency = _initial_residency(len(ranks), eng["max_loras"], eng["max_cpu_loras"])
+    lat = profile.latency
+    lora = lat.lora_for_rank(eng["max_lora_rank"])
+    block = profile.memory.block_size
+    cfg = Config(
+        max_loras=eng["max_loras"], max_cpu_loras=eng["max_cpu_loras"], max_num_seqs=eng["max_num_seqs"],
+        max_num_batched_tokens=eng["max_num_batched_tokens"], kv_blocks=kv_tokens // block, block_size=block,
+        lora_set_rule=LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
+        reserve_full_prompt=profile.reserve_full_prompt, chunked_prefill=profile.chunked_prefill,
+        cache_policy=POLICIES[eng["adapter_cache_policy"]].code, duration=float(sc.duration_s),
+        max_inflight=sc.client.max_inflight if sc.client.max_inflight is not None else NO_CLIENT_CAP,
+        drop_overflow=sc.client.overflow == "drop", ts_interval=sc.timeseries_interval_s)
+    coefs = Latency(
+        lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(eng["max_loras"]),
+        lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
+        lat.sched_per_waiting_ms)
+    return make_state((req.arrival, req.in_len, req.out_len, req.adapter), cpu_ms, disk_ms, residency, cfg, coefs,
+                      _early_stop(sc, profile, eng, req, kv_tokens, stop_grace_s))
+
+
 def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool = False,
              requests: Requests | None = None, check_invariants: bool = False,
              fast_forward: bool = True, stop_grace_s: float = 0.0) -> Result:
@@ -282,40 +331,10 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     if not starts:
         return _unserved("oom", T, incoming, incoming > 0, kv_tokens, None, reason, len(req), t_wall, eng)
 
-    _, ranks, _ = sc.adapter_table()
-    ranks = np.asarray(ranks)
-    cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
-    disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])
-    gpu0, cpu0, gstamp0, cstamp0 = _initial_residency(len(ranks), eng["max_loras"], eng["max_cpu_loras"])
+    state = engine_state(sc, profile, eng, req, kv_tokens, stop_grace_s)
     lat = profile.latency
-    lora = lat.lora_for_rank(eng["max_lora_rank"])
-    if sc.early_stop and len(req):
-        factor = float((tok / np.maximum(tok - 1, 1)).max())
-        # with a grace, certain that the tokens of requests arriving before T - grace are served
-        # below rho (completed tokens of all requests bound those of the early ones)
-        stop_target = sc.rho * (arrived_tokens if stop_grace_s <= 0 else
-                                int(tok[req.arrival < T - stop_grace_s].sum()))
-        cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
-        work = work_buckets(profile.latency, eng, req.in_len, req.out_len)
-    else:
-        factor, stop_target, cap = 1.0, 0.0, 0.0
-        work = NO_WORK_BOUND
     block = profile.memory.block_size
-    out = run_engine(
-        req.arrival, req.in_len, req.out_len, req.adapter,
-        cpu_ms, disk_ms, gpu0, cpu0, gstamp0, cstamp0,
-        eng["max_loras"], eng["max_cpu_loras"], eng["max_num_seqs"], eng["max_num_batched_tokens"],
-        kv_tokens // block, block,
-        LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
-        profile.reserve_full_prompt, profile.chunked_prefill, POLICIES[eng["adapter_cache_policy"]].code, float(T),
-        sc.client.max_inflight if sc.client.max_inflight is not None else len(req) + 1,
-        sc.client.overflow == "drop",
-        lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms,
-        lora.jump_at(eng["max_loras"]), lora.slope, lora.n_sat, lora.prefill_share,
-        lat.sched_base_ms, lat.sched_per_running_ms, lat.sched_per_waiting_ms,
-        stop_target, cap, factor, kv_tokens, *work,
-        sc.timeseries_interval_s, check_invariants, fast_forward,
-    )
+    out = run_engine(state, check_invariants, fast_forward)
     (first_t, first_running, finish_t, _dropped, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv,
      ts_loaded, counters, areas) = out
     steps, preemptions, loads_cpu, loads_disk, n_ts, n_dropped = (int(x) for x in counters)

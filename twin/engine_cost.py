@@ -1,0 +1,25 @@
+"""Step time: scheduler + adapter loads + forward pass (the profile's estimators,
+``twin.profile.LatencySpec.model_ms`` + ``scheduler_ms``)."""
+from __future__ import annotations
+
+from numba import njit
+
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+
+
+@njit(cache=True)
+def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, load_ms):
+    """Seconds of one step with ``n_seqs`` sequences, ``n_tokens`` tokens, ``ctx`` context tokens
+    read, ``n_distinct`` adapters, ``n_running`` running and ``n_scanned`` waiting requests visited
+    by the scheduler, ``load_ms`` of adapter loads.  ``lat``: ``twin.engine_state.Latency``.
+    The LoRA factor multiplies the per-sequence (decode-like) part; prefill tokens beyond one per
+    sequence pay ``lora_prefill_share`` of the extra cost."""
+    decode = lat.base_ms + lat.per_seq_ms * n_seqs + lat.per_ctx_ktoken_ms * ctx / 1000.0
+    prefill = lat.per_token_ms * (n_tokens - n_seqs)
+    if n_distinct > 0:
+        extra = lat.lora_jump + lat.lora_slope * n_distinct / (1.0 + n_distinct / lat.lora_nsat)
+        model = decode * (1.0 + extra) + prefill * (1.0 + lat.lora_prefill_share * extra)
+    else:
+        model = decode + prefill
+    sched = lat.sched_base_ms + lat.sched_per_running_ms * n_running + lat.sched_per_waiting_ms * n_scanned
+    return (sched + load_ms + model) / 1000.0

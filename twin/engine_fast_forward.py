@@ -1,0 +1,85 @@
+"""Fast forward: a step in which every running request decoded one token, and nothing was
+admitted, preempted, loaded or finished, repeats identically (one more token each, context + 1
+per request) until an arrival, a finish, a KV block shortage, a time-series sample, an early-stop
+check or the end.  Those steps are taken here without touching the requests -- the same numbers,
+bit for bit, as stepping; only the block allocations (periodic in the block size) are counted."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.engine_cost import step_seconds
+from twin.engine_early_stop import stop_check_due
+from twin.engine_record import account_areas, record_regular
+
+
+@njit(cache=True)
+def steady(s):
+    """The last step was decode-only for every running request with nothing else happening."""
+    return (not s.preempted and s.load_ms == 0.0 and s.finished_now == 0 and s.admitted == 0
+            and s.n_batch == s.n_running and s.n_tokens == s.n_batch)
+
+
+@njit(cache=True)
+def _decode_horizon(s):
+    """Steps until the first running request finishes (0: one is still prefilling or due its first
+    token); fills ``s.blocks_at[m]``: running requests with ``computed % block_size == m``."""
+    bs = s.cfg.block_size
+    s.blocks_at[:] = 0
+    horizon = np.int64(2**62)
+    for j in range(s.n_running):
+        r = s.running[j]
+        if s.generated[r] < 1 or s.computed[r] != s.in_len[r] + s.generated[r] - 1:
+            return 0
+        horizon = min(horizon, s.out_len[r] - s.generated[r])
+        s.blocks_at[s.computed[r] % bs] += 1
+    return horizon
+
+
+@njit(cache=True)
+def _must_stop(s):
+    """Something other than decoding happens now: the end, an arrival, a sample or a stop check."""
+    if s.t >= s.cfg.duration or (s.next_arr < s.n_req and s.arrival[s.next_arr] <= s.t):
+        return True
+    if s.ts_next < s.n_ts and s.ts_next * s.cfg.ts_interval <= s.t:
+        return True
+    return stop_check_due(s)
+
+
+@njit(cache=True)
+def _catch_up(s, n):
+    """The running requests decoded ``n`` more tokens, the last at now."""
+    bs = s.cfg.block_size
+    for j in range(s.n_running):
+        r = s.running[j]
+        s.computed[r] += n
+        s.generated[r] += n
+        s.held[r] = (s.computed[r] + bs - 1) // bs
+        s.last_t[r] = s.t
+
+
+@njit(cache=True)
+def skip_steady_steps(s):
+    """Take the repeats of a steady step (see the module docstring) in one go."""
+    bs = s.cfg.block_size
+    n_batch = s.n_batch
+    horizon = _decode_horizon(s)
+    ctx = s.ctx + n_batch
+    n = 0
+    while n < horizon - 1 and not _must_stop(s):
+        # a request whose computed tokens are a multiple of the block size needs a block
+        need = s.blocks_at[(bs - n % bs) % bs]
+        if need > s.free_blocks:
+            break
+        s.free_blocks -= need
+        dt = step_seconds(s.lat, n_batch, n_batch, ctx, s.n_distinct, s.n_running, s.scanned, 0.0)
+        t_end = s.t + dt
+        account_areas(s, t_end)
+        record_regular(s, dt, n_batch)
+        s.step += 1
+        ctx += n_batch
+        s.t = t_end
+        n += 1
+    if n > 0:
+        _catch_up(s, n)
