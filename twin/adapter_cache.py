@@ -13,7 +13,7 @@ stamp that a hit refreshes or not).  The kernel reaches the victim function thro
 :func:`evict_victim`, an if-chain on the policy's code generated from the registry, so nothing
 else in the kernel changes; the contract tests in ``tests/test_adapter_cache.py`` run every
 registered policy.  (Scenario files are validated against ``twin.scenario.ADAPTER_CACHE_POLICIES``,
-a tuple of names a test keeps equal to :data:`POLICIES`: the new name goes there too.)
+which is derived from :data:`POLICIES`: nothing else to edit.)
 """
 from __future__ import annotations
 

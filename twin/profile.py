@@ -175,7 +175,7 @@ class LatencySpec:
 
     def model_ms(self, n_seqs: int, n_tokens: int, ctx_tokens: int, n_adapters: int,
                  max_lora_rank: int, max_loras: int) -> float:
-        """Forward-pass time (the engine kernel computes the same in ``_step_seconds``)."""
+        """Forward-pass time (the engine kernel computes the same in ``twin.engine_cost.step_seconds``)."""
         lora = self.lora_for_rank(max_lora_rank)
         extra = lora.extra(n_adapters, max_loras)
         decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twin.adapter_cache import POLICIES as CACHE_POLICIES
 from twin.arrivals import PROCESSES
 from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
@@ -25,7 +26,7 @@ from twin.profile import Profile, load_profile
 ARRIVAL_PROCESSES = (*PROCESSES, "trace")        # synthetic processes: twin.arrivals
 LENGTH_SOURCES = ("sharegpt", "sharegpt-8k", "arxiv", "normal", "mean", "trace")
 TRACE_MAPPINGS = ("uniform", "powerlaw", "rates")
-ADAPTER_CACHE_POLICIES = ("lru", "fifo")
+ADAPTER_CACHE_POLICIES = tuple(CACHE_POLICIES)     # eviction policies: twin.adapter_cache
 
 #: The papers' starvation threshold: a GPU starves when its throughput is below rho x the incoming
 #: token rate.  The one default of rho everywhere (scenarios, workloads, grids, criteria).
