@@ -71,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
                   f"(speed {args.speed:g})", flush=True)
         print("ready", flush=True)
 
-    asyncio.run(serve(instances, log_level=args.log_level, ready=ready))
+    try:                                # vLLM's loop (uvloop) and HTTP parser (httptools) when installed
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(instances, log_level=args.log_level, ready=ready))
     print("emulate: stopped", file=sys.stderr, flush=True)
     return 0

@@ -69,7 +69,8 @@ class EmuRequest:
     event: asyncio.Event
     generated: int = 0          # tokens handed to the stream so far
     finished: bool = False
-    aborted: bool = False
+    aborted: bool = False       # the engine dropped it (client gone, or shutdown)
+    gone: bool = False          # its client disconnected
     delay: float = 0.0          # front-end delay of every token (s)
     first_t: float = float("nan")
     last_t: float = float("nan")

@@ -74,7 +74,7 @@ def _stream_response(inst: Instance, req, fmt: Formatter, finish_reason: str):
                 while True:
                     await req.event.wait()
                     req.event.clear()
-                    if req.aborted:
+                    if req.aborted or req.gone:
                         return
                     n = req.generated
                     if n > sent:
@@ -98,7 +98,7 @@ async def _watch_disconnect(receive, req) -> None:
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            req.aborted = True
+            req.gone = True
             req.event.set()
             return
 
@@ -130,7 +130,7 @@ async def _generate(inst: Instance, request, chat: bool):
         while not req.finished:
             await req.event.wait()
             req.event.clear()
-            if req.aborted:
+            if req.aborted or req.gone:
                 eng.abort(req)
                 return None
     finally:
