@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,8 @@ COALESCE_WALL_S = 0.0005
 #: the adapter index base-model requests run on (see :func:`online_scenario`)
 BASE_ADAPTER = 0
 BASE_ID = "__base_model__"
+#: steps whose lag is kept (the latest)
+LAG_SAMPLES = 200_000
 
 
 def online_scenario(sc: Scenario) -> Scenario:
@@ -85,7 +88,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     success: dict = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
-    lag_wall_s: list = field(default_factory=list)
+    lag_wall_s: deque = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
     steps: int = 0
 
 
@@ -267,6 +270,19 @@ class OnlineEngine:
         running, waiting, kv_used, kv_blocks, preemptions, resident, t = gauges(self.state)
         return {"running": int(running), "waiting": int(waiting), "kv_usage": kv_used / max(1, kv_blocks),
                 "preemptions": int(preemptions), "resident_adapters": int(resident), "sim_t": float(t)}
+
+    def report(self) -> dict:
+        """The emulator's own numbers (``GET /emulator/stats``, not a vLLM endpoint): clocks, steps,
+        and the lag of steps behind the wall clock (ms of wall time, percentiles since start or
+        since the last ``reset_lag``)."""
+        lag = np.asarray(self.stats.lag_wall_s) * 1000.0
+        pct = {f"p{q}": float(np.percentile(lag, q)) if lag.size else 0.0 for q in (50, 90, 99)}
+        return {"speed": self.speed, "sim_now_s": self.sim_now(), "engine_clock_s": float(self.state.t),
+                "steps": self.stats.steps, "lag_ms": {**pct, "max": float(lag.max()) if lag.size else 0.0},
+                "open_requests": len(self.requests), "generation_tokens": self.stats.generation_tokens}
+
+    def reset_lag(self) -> None:
+        self.stats.lag_wall_s.clear()
 
     def lora_usage(self) -> tuple[np.ndarray, np.ndarray]:
         """Per adapter index (0 = base model): running and waiting requests."""

@@ -177,6 +177,13 @@ def build_app(inst: Instance):
     async def metrics():
         return Response(inst.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/emulator/stats")
+    async def stats(reset: int = 0):
+        out = inst.engine.report()
+        if reset:
+            inst.engine.reset_lag()
+        return out
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request):
         return _lora_update(inst, await request.body(), load=True)
