@@ -39,9 +39,10 @@ def _env():
 
 
 class Emulator:
-    def __init__(self, args: list[str], timeout: float = 60.0):
+    def __init__(self, args: list[str], timeout: float = 60.0, env: dict | None = None):
         self.proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "emulate", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**_env(), **(env or {})}, cwd=ROOT)
         self.lines = []
         t_end = time.time() + timeout
         while time.time() < t_end:
@@ -170,6 +171,8 @@ def test_metrics_have_vllm_v1_names(server):
     ('{"model": "a1", "prompt": "x", "stream": "yes"}', 400, "BadRequestError"),
     ('{"model": "nope", "prompt": "x"}', 404, "NotFoundError"),                      # unknown adapter
     ('{"model": "a1", "prompt": "x", "max_tokens": 200000}', 400, "BadRequestError"),  # over max_model_len
+    ('{"model": "a1", "prompt": "x", "max_tokens": 2, "min_tokens": 3}', 400, "BadRequestError"),
+    ('[1, 2]', 400, "BadRequestError"),
 ])
 def test_bad_requests_get_vllm_status_and_error_json(server, body, status, type_):
     with _client() as c:
@@ -212,16 +215,26 @@ def _consistency_run(tmp_path, sc, req, speed):
     emu, url = _start_scenario(tmp_path, CONSISTENCY, speed)
     try:
         ids, _, _ = sc.adapter_table()
-        return summarise(asyncio.run(replay(url, req, ids, speed)), speed, sc.duration_s)
+        got = summarise(asyncio.run(replay(url, req, ids, speed)), speed, sc.duration_s)
+        with _client() as c:
+            lag_p99 = c.get(url + "/emulator/stats").json()["lag_ms"]["p99"]
     finally:
         assert emu.stop() == 0
+    return got, lag_p99
+
+
+#: wall ms of scheduling delay (client sending late, engine steps late) above which a run at speed
+#: 10 measures the machine's oversubscription more than the emulator
+NOISY_MS = 5.0
 
 
 def test_open_loop_stream_matches_the_batch_twin_at_speed_10(tmp_path):
     """The same requests at their arrival times: throughput within 2 %, mean TTFT and mean ITL
-    within 5 % of twin.simulate.  At speed 10 a millisecond of wall-clock scheduling delay is 10
-    simulated ms: on a machine whose cores are oversubscribed by other jobs one run can miss, so a
-    miss is retried once (both runs are printed)."""
+    within 5 % of twin.simulate.  At speed 10 a millisecond of wall-clock delay is 10 simulated ms:
+    on a machine whose cores are oversubscribed by other jobs a run can miss, so a miss is retried
+    (up to 3 runs, each printed); when every run missed *and* was noisy (the client sent late or the
+    engine stepped late by more than NOISY_MS at p99) the test is skipped as unmeasurable here, and
+    a miss on a quiet run fails."""
     from twin.scenario import scenario_from_dict
     from twin.simulate import simulate
     from twin.workload import generate_requests
@@ -229,17 +242,21 @@ def test_open_loop_stream_matches_the_batch_twin_at_speed_10(tmp_path):
     req = generate_requests(sc, sc.resolved_engine(sc.load_profile())["max_model_len"])
     twin = simulate(sc, requests=req)
     want = (twin.throughput_tok_s, twin.ttft_ms["mean"], twin.itl_ms["mean"])
-    for attempt in range(2):
-        got = _consistency_run(tmp_path, sc, req, 10.0)
+    quiet_miss = None
+    for attempt in range(3):
+        got, lag_p99 = _consistency_run(tmp_path, sc, req, 10.0)
         ratios = (got.throughput_tok_s / want[0], got.ttft_mean_ms / want[1], got.itl_mean_ms / want[2])
-        print(f"attempt {attempt}: twin {want}, emulator {got.as_dict()}, ratios {ratios}")
+        noisy = max(got.send_late_p99_ms, lag_p99) > NOISY_MS
+        print(f"attempt {attempt}: twin {want}, emulator {got.as_dict()}, engine lag p99 {lag_p99:.1f} ms, "
+              f"ratios {ratios}, noisy {noisy}")
         assert got.errors == 0
-        ok = abs(ratios[0] - 1) <= 0.02 and abs(ratios[1] - 1) <= 0.05 and abs(ratios[2] - 1) <= 0.05
-        if ok:
-            break
-    assert got.throughput_tok_s == pytest.approx(want[0], rel=0.02)
-    assert got.ttft_mean_ms == pytest.approx(want[1], rel=0.05)
-    assert got.itl_mean_ms == pytest.approx(want[2], rel=0.05)
+        if abs(ratios[0] - 1) <= 0.02 and abs(ratios[1] - 1) <= 0.05 and abs(ratios[2] - 1) <= 0.05:
+            return
+        if not noisy:
+            quiet_miss = ratios
+    if quiet_miss is None:
+        pytest.skip("every run at speed 10 was delayed by the machine's other jobs (p99 > 5 ms wall)")
+    pytest.fail(f"the emulator missed the batch twin on a quiet run: ratios {quiet_miss}")
 
 
 # ---- the online kernel helpers ----------------------------------------------------------------
@@ -297,7 +314,8 @@ def test_placement_fleet_one_instance_per_gpu_and_clean_sigterm(tmp_path):
             break
         except OSError:
             base = _free_port()
-    emu = Emulator(["--placement", str(tmp_path / "placement.json"), "--base-port", str(base), "--speed", "20"])
+    emu = Emulator(["--placement", str(tmp_path / "placement.json"), "--base-port", str(base), "--speed", "20"],
+                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
         with _client() as c:
             ids = [[m["id"] for m in c.get(f"http://127.0.0.1:{base + g}/v1/models").json()["data"][1:]]
@@ -307,6 +325,13 @@ def test_placement_fleet_one_instance_per_gpu_and_clean_sigterm(tmp_path):
             assert r.status_code == 200
             assert c.post(f"http://127.0.0.1:{base}/v1/completions",
                           json={"model": "ad3", "prompt": "hi"}).status_code == 404
+            # runtime adapter updates: unload makes it unknown, loading it back serves it again
+            g0 = f"http://127.0.0.1:{base}"
+            assert c.post(g0 + "/v1/unload_lora_adapter", json={"lora_name": "ad0"}).status_code == 200
+            assert c.post(g0 + "/v1/completions", json={"model": "ad0", "prompt": "hi"}).status_code == 404
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "ad0", "lora_path": "p"}).status_code == 200
+            assert c.post(g0 + "/v1/completions", json={"model": "ad0", "prompt": "hi", "max_tokens": 2}).status_code == 200
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "p"}).status_code == 400
     finally:
         rc = emu.stop()
     assert ids == [["ad0", "ad1", "ad2"], ["ad2", "ad3", "ad4"]]

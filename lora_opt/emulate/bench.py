@@ -24,6 +24,11 @@ from pathlib import Path
 
 import yaml
 
+from lora_opt.emulate.client import replay, summarise
+from twin.scenario import scenario_from_dict
+from twin.simulate import simulate
+from twin.workload import generate_requests
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: one instance that can hold every stream at once (max_num_seqs above the concurrency)
@@ -135,6 +140,40 @@ async def _capacity(port: int, concurrency: int, duration_s: float, warmup_s: fl
             "streams_min": min(samples) if samples else 0, "stats": stats}
 
 
+#: the consistency stream (the test's): max_loras 2 of 10 adapters, 8 sequences, 30 s
+CONSISTENCY_SCENARIO = {
+    "profile": "llama-3.1-8b-h100-64gb",
+    "engine": {"max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512},
+    "adapters": [{"count": 6, "rank": 8, "rate": 0.5}, {"count": 4, "rank": 16, "rate": 1.0}],
+    "lengths": {"source": "mean", "mean_in": 200, "mean_out": 40}, "duration_s": 30, "seed": 1,
+}
+
+
+def consistency(speed: float, scenario: dict = CONSISTENCY_SCENARIO) -> dict:
+    """The scenario's requests replayed open-loop against a fresh emulator at ``speed``, next to
+    ``twin.simulate`` on the same requests: (twin, emulator, emulator / twin) for throughput, mean
+    TTFT and mean ITL."""
+    sc = scenario_from_dict(scenario)
+    req = generate_requests(sc, sc.resolved_engine(sc.load_profile())["max_model_len"])
+    twin = simulate(sc, requests=req)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "consistency.yaml")
+        Path(path).write_text(yaml.safe_dump(scenario))
+        port = _free_port()
+        proc = _launch(path, port, speed, None)
+        try:
+            _wait_health(proc, port)
+            ids, _, _ = sc.adapter_table()
+            got = summarise(asyncio.run(replay(f"http://127.0.0.1:{port}", req, ids, speed)), speed, sc.duration_s)
+        finally:
+            _stop(proc)
+    want = {"throughput_tok_s": twin.throughput_tok_s, "ttft_mean_ms": twin.ttft_ms["mean"],
+            "itl_mean_ms": twin.itl_ms["mean"]}
+    have = {k: getattr(got, k) for k in want}
+    return {"speed": speed, "twin": want, "emulator": have, "ratio": {k: have[k] / want[k] for k in want},
+            "errors": got.errors}
+
+
 def _cpu_s(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -175,6 +214,7 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
         finally:
             os.sched_setaffinity(0, set(cpus))
             _stop(proc)
+    cons = [consistency(s) for s in (10.0, 1.0)]
     st = cap["stats"]
     rows = [("start-up (launch -> /health), s", f"{min(startup):.2f} best, {max(startup):.2f} worst", "<= 3"),
             ("concurrent streams (mean / min)", f"{cap['streams_mean']:.0f} / {cap['streams_min']}", ">= 500"),
@@ -190,7 +230,15 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
     print(f"{'metric':42s} {'measured':32s} target")
     for name, value, target in rows:
         print(f"{name:42s} {value:32s} {target}")
+    print(f"\nconsistency with twin.simulate ({len(CONSISTENCY_SCENARIO['adapters'])} adapter groups, 30 s, open loop)")
+    print(f"{'speed':>6s} {'throughput tok/s twin/emu':>28s} {'mean TTFT ms twin/emu':>26s} {'mean ITL ms twin/emu':>24s}")
+    for c in cons:
+        tw, em, r = c["twin"], c["emulator"], c["ratio"]
+        cells = [f"{tw[k]:,.1f} / {em[k]:,.1f} ({r[k] - 1:+.1%})" for k in ("throughput_tok_s", "ttft_mean_ms",
+                                                                           "itl_mean_ms")]
+        print(f"{c['speed']:6g} {cells[0]:>28s} {cells[1]:>26s} {cells[2]:>24s}")
     if out:
         Path(out).write_text(json.dumps({"startup_s": startup, "capacity": cap, "cpu_share": cpu_share,
+                                         "consistency": cons,
                                          "concurrency": concurrency, "duration_s": duration_s}, indent=2))
     return 0

@@ -26,6 +26,7 @@ class Record:
     token_times: list = field(default_factory=list)
     status: int = 0
     error: str = ""
+    due: float = 0.0            # when it should have been sent (arrival / speed)
 
 
 @dataclass
@@ -39,8 +40,10 @@ class Summary:
     ttft_mean_ms: float
     itl_mean_ms: float
     errors: int
-    max_concurrent: int = 0
     tokens: int = 0
+    send_late_p99_ms: float = 0.0
+    """99th percentile of how late the client sent a request (wall ms): above a few ms the client
+    could not keep time (an oversubscribed machine) and the numbers measure the machine too."""
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -60,7 +63,8 @@ def summarise(records: list[Record], speed: float, duration_s: float) -> Summary
         g = np.diff(t[t <= duration_s])
         gaps.extend(g.tolist())
     n_tokens = sum(len(r.token_times) for r in records)
-    return Summary(completed=done, throughput_tok_s=tok / duration_s,
+    late = np.array([r.sent - r.due for r in records]) * 1000.0
+    return Summary(send_late_p99_ms=float(np.percentile(late, 99)) if late.size else 0.0,completed=done, throughput_tok_s=tok / duration_s,
                    ttft_mean_ms=float(np.mean(ttft) * 1000) if ttft else float("nan"),
                    itl_mean_ms=float(np.mean(gaps) * 1000) if gaps else float("nan"), errors=errors,
                    tokens=n_tokens)
@@ -109,7 +113,7 @@ async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: fl
     path = (u.path.rstrip("/") or "") + "/v1/completions"
     if path.startswith("/v1/v1/"):
         path = path[3:]
-    records = [Record(0.0, int(i), int(o)) for i, o in zip(req.in_len, req.out_len)]
+    records = [Record(0.0, int(i), int(o), due=float(a) / speed) for a, i, o in zip(req.arrival, req.in_len, req.out_len)]
     t0 = time.perf_counter()
     tasks = []
     for k in range(len(req)):

@@ -136,10 +136,13 @@ def parse_request(body, chat: bool, max_model_len: int) -> ParsedRequest:
         raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                   f"{prompt + max_tokens} tokens ({prompt} in the {where}, {max_tokens} in the completion). "
                   "Please reduce the length of the messages or completion.")
+    min_tokens = _int_field(body, "min_tokens", 0, 0)
+    if min_tokens > max_tokens:
+        raise bad(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     opts = body.get("stream_options") or {}
     return ParsedRequest(model=model or "", prompt_tokens=prompt, max_tokens=max_tokens,
                          ignore_eos=_bool_field(body, "ignore_eos", False),
-                         min_tokens=_int_field(body, "min_tokens", 0, 0), stream=_bool_field(body, "stream", False),
+                         min_tokens=min_tokens, stream=_bool_field(body, "stream", False),
                          include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")), chat=chat)
 
 
