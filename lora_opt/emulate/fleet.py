@@ -168,6 +168,15 @@ def _server(app, host: str, port: int, log_level: str):
     return server
 
 
+async def _serve_one(server) -> bool:
+    """Run one uvicorn server; False when it could not start (uvicorn exits on a bind error)."""
+    try:
+        await server.serve()
+    except SystemExit:
+        return False
+    return True
+
+
 async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
                 ready=None, stop: asyncio.Event | None = None) -> None:
     """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set); ``ready``:
@@ -183,7 +192,7 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     for spec, inst in instances:
         inst.engine.start()
         servers.append(_server(build_app(inst), spec.host, spec.port, log_level))
-    tasks = [asyncio.ensure_future(s.serve()) for s in servers]
+    tasks = [asyncio.ensure_future(_serve_one(s)) for s in servers]
     while not all(s.started for s in servers):
         if any(t.done() for t in tasks):
             break
@@ -204,4 +213,5 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
         except (NotImplementedError, RuntimeError, ValueError):
             pass
     if failed:
-        raise InputError("emulate: a server could not start (port in use?)")
+        where = ", ".join(f"{spec.host}:{spec.port}" for (spec, _), t in zip(instances, tasks) if t in failed)
+        raise InputError(f"could not listen on {where} (address in use?)")
