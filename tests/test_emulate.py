@@ -314,8 +314,9 @@ def test_placement_fleet_one_instance_per_gpu_and_clean_sigterm(tmp_path):
             break
         except OSError:
             base = _free_port()
-    emu = Emulator(["--placement", str(tmp_path / "placement.json"), "--base-port", str(base), "--speed", "20"],
-                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    router = _free_port()
+    emu = Emulator(["--placement", str(tmp_path / "placement.json"), "--base-port", str(base), "--speed", "20",
+                    "--router-port", str(router)], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
         with _client() as c:
             ids = [[m["id"] for m in c.get(f"http://127.0.0.1:{base + g}/v1/models").json()["data"][1:]]
@@ -325,6 +326,14 @@ def test_placement_fleet_one_instance_per_gpu_and_clean_sigterm(tmp_path):
             assert r.status_code == 200
             assert c.post(f"http://127.0.0.1:{base}/v1/completions",
                           json={"model": "ad3", "prompt": "hi"}).status_code == 404
+            # the router forwards by the placement's routes; streams pass through
+            front = f"http://127.0.0.1:{router}/v1"
+            for model in ("ad0", "ad2", "ad4", "meta-llama/Llama-3.1-8B-Instruct"):
+                r = c.post(front + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2,
+                                                         "ignore_eos": True, "stream": True})
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), model
+            r = c.post(front + "/completions", json={"model": "zz", "prompt": "hi"})
+            assert r.status_code == 404 and r.json()["type"] == "NotFoundError"
             # runtime adapter updates: unload makes it unknown, loading it back serves it again
             g0 = f"http://127.0.0.1:{base}"
             assert c.post(g0 + "/v1/unload_lora_adapter", json={"lora_name": "ad0"}).status_code == 200

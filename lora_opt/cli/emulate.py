@@ -25,6 +25,9 @@ def register(sub) -> None:
     e.add_argument("--host", help="bind address (default 127.0.0.1; a placement: its router.json's hosts)")
     e.add_argument("--port", type=int, default=8000, help="one instance: port (default 8000)")
     e.add_argument("--base-port", type=int, help="a placement: GPU i listens on BASE_PORT + i (instead of router.json)")
+    e.add_argument("--router-port", type=int,
+                   help="also serve a router on this port: it forwards each request to an instance of its "
+                        "adapter by the placement's weights")
     e.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
     e.add_argument("--lengths", help="length model EOS stops are drawn from (default: the scenario's, else sharegpt)")
     e.add_argument("--seed", type=int, default=0, help="seed of the EOS draws")
@@ -59,16 +62,22 @@ def _specs(args):
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from lora_opt.emulate.fleet import make_instance, serve
+    from lora_opt.emulate.fleet import make_instance, route_table, serve
     specs = _specs(args)
     updating = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
     instances = [(s, make_instance(s, speed=args.speed, seed=args.seed, runtime_lora_updating=updating))
                  for s in specs]
 
+    router = None
+    if args.router_port is not None:
+        router = (args.host or "127.0.0.1", args.router_port, route_table(specs, args.placement))
+
     def ready():
         for s, inst in instances:
             print(f"{s.name}: {inst.model} + {len(inst.adapters)} adapters on http://{s.host}:{s.port}/v1 "
                   f"(speed {args.speed:g})", flush=True)
+        if router is not None:
+            print(f"router: http://{router[0]}:{router[1]}/v1 -> {len(specs)} instances", flush=True)
         print("ready", flush=True)
 
     try:                                # vLLM's loop (uvloop) and HTTP parser (httptools) when installed
@@ -77,6 +86,6 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(instances, log_level=args.log_level, ready=ready))
+        runner.run(serve(instances, log_level=args.log_level, ready=ready, router=router))
     print("emulate: stopped", file=sys.stderr, flush=True)
     return 0

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 from lora_opt.emulate.engine import OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
+from lora_opt.emulate.router import RouteTable, build_router_app
 from lora_opt.emulate.server import Instance, build_app
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
@@ -36,6 +37,12 @@ class InstanceSpec:
     host: str = "127.0.0.1"
     served_model_name: str | None = None
     name: str = "instance"
+    gpu: int | None = None
+    """The placement's GPU index (fleets)."""
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
 
 
 def _vllm_oom_message(reason: str, eng: dict) -> str:
@@ -145,10 +152,26 @@ def specs_from_placement(path: str, *, base_port: int | None, host: str | None,
         h, port = ports.get(g, ("127.0.0.1", (base_port or 8000) + g))
         sc = build_scenario(p.profile, [{"id": a.id, "rank": a.rank, "rate": max(a.rate, 1e-9)} for a in adapters],
                             engine=dataclasses.asdict(flags), lengths=lengths, where=f"placement GPU {g}")
-        specs.append(InstanceSpec(sc, port=port, host=host or h, name=f"GPU {g}"))
+        specs.append(InstanceSpec(sc, port=port, host=host or h, name=f"GPU {g}", gpu=g))
     if not specs:
         raise InputError(f"--placement: {path} routes no adapter to any GPU")
     return specs
+
+
+def route_table(specs: list[InstanceSpec], placement_path: str | None = None) -> dict:
+    """The router table of instances started here: a placement's routes and weights over its
+    instances' endpoints; otherwise each adapter on every instance serving it, equal weights."""
+    table: dict = {}
+    if placement_path:
+        by_gpu = {s.gpu: s for s in specs}
+        for aid, routes in Placement.load(placement_path).routes.items():
+            table[aid] = [{"endpoint": by_gpu[g].endpoint, "weight": w} for g, w in routes if g in by_gpu]
+        return table
+    for s in specs:
+        ids, _, _ = s.scenario.adapter_table()
+        for a in ids:
+            table.setdefault(a, []).append({"endpoint": s.endpoint, "weight": 1.0})
+    return table
 
 
 def with_lengths(spec: InstanceSpec, lengths: str) -> InstanceSpec:
@@ -178,9 +201,10 @@ async def _serve_one(server) -> bool:
 
 
 async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
-                ready=None, stop: asyncio.Event | None = None) -> None:
+                ready=None, stop: asyncio.Event | None = None, router: tuple | None = None) -> None:
     """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set); ``ready``:
-    called once every server listens."""
+    called once every server listens.  ``router``: (host, port, router table) of a front that
+    forwards to the instances by the table's weights (``lora_opt.emulate.router``)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -192,6 +216,11 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     for spec, inst in instances:
         inst.engine.start()
         servers.append(_server(build_app(inst), spec.host, spec.port, log_level))
+    fronts = []
+    if router is not None:
+        host, port, table = router
+        servers.append(_server(build_router_app(RouteTable(table)), host, port, log_level))
+        fronts.append(InstanceSpec(scenario=None, port=port, host=host, name="router"))
     tasks = [asyncio.ensure_future(_serve_one(s)) for s in servers]
     while not all(s.started for s in servers):
         if any(t.done() for t in tasks):
@@ -213,5 +242,6 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
         except (NotImplementedError, RuntimeError, ValueError):
             pass
     if failed:
-        where = ", ".join(f"{spec.host}:{spec.port}" for (spec, _), t in zip(instances, tasks) if t in failed)
+        specs = [spec for spec, _ in instances] + fronts
+        where = ", ".join(f"{spec.host}:{spec.port}" for spec, t in zip(specs, tasks) if t in failed)
         raise InputError(f"could not listen on {where} (address in use?)")
