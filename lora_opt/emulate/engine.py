@@ -74,6 +74,7 @@ class EmuRequest:
     finished: bool = False
     aborted: bool = False       # the engine dropped it (client gone, or shutdown)
     gone: bool = False          # its client disconnected
+    stream: bool = True         # wake its response at every token (else only at the end)
     delay: float = 0.0          # front-end delay of every token (s)
     first_t: float = float("nan")
     last_t: float = float("nan")
@@ -263,7 +264,9 @@ class OnlineEngine:
             self.stats.success[q.finish_reason] += 1
             if obs is not None:
                 obs.finished(q)
-        q.event.set()
+            q.event.set()
+        elif q.stream:
+            q.event.set()
 
     # ---- what /metrics and the bench read ----------------------------------------------------
     def gauges(self) -> dict:

@@ -122,6 +122,7 @@ async def _generate(inst: Instance, request, chat: bool):
     finish_reason = "length" if out_len == p.max_tokens else "stop"
     req = eng.submit(p.prompt_tokens, out_len, adapter)
     req.finish_reason = finish_reason
+    req.stream = p.stream
     fmt = Formatter(p, p.model or inst.model)
     if p.stream:
         return _stream_response(inst, req, fmt, finish_reason)
