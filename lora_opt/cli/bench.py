@@ -29,8 +29,13 @@ def _search(args: argparse.Namespace) -> int:
     return bench_search(out=args.out)
 
 
+def _emulate(args: argparse.Namespace) -> int:
+    from lora_opt.emulate.bench import bench_emulate
+    return bench_emulate(out=args.out, concurrency=args.concurrency, duration_s=args.duration, pin=args.pin)
+
+
 #: benchmark name -> its runner; ``lora-opt bench``'s choices
-BENCHMARKS = {"twin": _twin, "dataset": _dataset, "place": _place, "search": _search}
+BENCHMARKS = {"twin": _twin, "dataset": _dataset, "place": _place, "search": _search, "emulate": _emulate}
 
 
 def register(sub) -> None:
@@ -40,6 +45,9 @@ def register(sub) -> None:
     b.add_argument("--sample", type=int, default=64, help="dataset: grid points to label per worker count")
     b.add_argument("--out", help="also write the results as JSON here")
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per scenario (best is kept)")
+    b.add_argument("--concurrency", type=int, default=600, help="emulate: streams kept open")
+    b.add_argument("--duration", type=float, default=30.0, help="emulate: measured seconds (after 8 s warm-up)")
+    b.add_argument("--pin", action="store_true", help="emulate: pin the server to one CPU, the client to the others")
     b.set_defaults(run=run)
 
 

@@ -1,0 +1,247 @@
+"""Emulated instances: from a scenario, from vLLM's flags, or one per GPU of a placement; the
+memory model's start-up check (an instance vLLM would not start refuses to start); serving them
+all on one asyncio loop with clean shutdown on SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from lora_opt.emulate.engine import OnlineEngine
+from lora_opt.emulate.metrics import EngineMetrics
+from lora_opt.emulate.router import RouteTable, build_router_app
+from lora_opt.emulate.server import Instance, build_app
+from lora_opt.errors import InputError
+from lora_opt.placement.plan import Placement
+from twin.flags import VLLM_LORA_RANKS
+from twin.scenario import Scenario, build_scenario, load_scenario, replace
+
+#: lengths the emulator draws EOS stops from when only flags are given
+DEFAULT_LENGTHS = "sharegpt"
+
+
+class StartupError(InputError):
+    """An instance the memory model says vLLM would not start (the message is vLLM's kind)."""
+
+
+@dataclass
+class InstanceSpec:
+    """What one emulated instance serves and where."""
+
+    scenario: Scenario
+    port: int
+    host: str = "127.0.0.1"
+    served_model_name: str | None = None
+    name: str = "instance"
+    gpu: int | None = None
+    """The placement's GPU index (fleets)."""
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+
+def _vllm_oom_message(reason: str, eng: dict) -> str:
+    if reason.startswith("LoRA slots"):
+        return ("torch.OutOfMemoryError: CUDA out of memory while allocating the LoRA buffers "
+                f"(--max-loras {eng['max_loras']} --max-lora-rank {eng['max_lora_rank']}). "
+                f"[lora-opt's memory model: {reason}]")
+    return ("ValueError: To serve at least one request with the models's max seq len "
+            f"({eng['max_model_len']}), more KV cache memory is needed than is available. Try increasing "
+            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine. "
+            f"[lora-opt's memory model: {reason}]")
+
+
+def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lora_updating: bool = False) -> Instance:
+    """The instance of ``spec``; raises :class:`StartupError` when vLLM would not start."""
+    sc = spec.scenario
+    profile = sc.load_profile()
+    eng = sc.resolved_engine(profile)
+    starts, kv_tokens, reason = profile.startup_check(
+        eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"], eng["max_num_batched_tokens"],
+        eng["max_model_len"], eng["max_num_seqs"])
+    if not starts:
+        raise StartupError(f"{spec.name}: {_vllm_oom_message(reason, eng)}")
+    ids, _, _ = sc.adapter_table()
+    model = spec.served_model_name or profile.model.name
+    metrics = EngineMetrics(model, ids, eng["max_loras"])
+    engine = OnlineEngine(sc, profile, eng, kv_tokens, speed=speed, seed=seed, observer=metrics)
+    return Instance(engine=engine, model=model, adapters={a: k + 1 for k, a in enumerate(ids)},
+                    vllm_version=profile.vllm_version, metrics=metrics, max_model_len=eng["max_model_len"],
+                    runtime_lora_updating=runtime_lora_updating)
+
+
+# ---- specs -----------------------------------------------------------------------------------
+def _rank_of(path: str, default: int) -> int:
+    cfg = Path(path) / "adapter_config.json"
+    try:
+        return int(json.loads(cfg.read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+def parse_lora_modules(modules: list[str], default_rank: int) -> list[dict]:
+    """vLLM's ``--lora-modules``: ``name=path`` or JSON ``{"name", "path"[, "base_model_name"]}``; the
+    rank is the adapter's ``adapter_config.json`` ``r`` when the path has one, else ``default_rank``."""
+    out = []
+    for m in modules:
+        if m.lstrip().startswith("{"):
+            try:
+                d = json.loads(m)
+                name, path = d["name"], d["path"]
+            except (ValueError, KeyError, TypeError):
+                raise InputError(f"--lora-modules: bad JSON module {m!r} (needs name and path)") from None
+        elif "=" in m:
+            name, path = m.split("=", 1)
+        else:
+            raise InputError(f"--lora-modules: {m!r} is not name=path")
+        out.append({"id": name, "rank": _rank_of(path, default_rank), "rate": 1.0})
+    return out
+
+
+def spec_from_flags(profile: str, modules: list[str], engine: dict, *, port: int, host: str,
+                    served_model_name: str | None = None, lengths: str = DEFAULT_LENGTHS) -> InstanceSpec:
+    """One instance from vLLM's own flags (``engine``: EngineFlags names, None = profile default)."""
+    rank = engine.get("max_lora_rank") or 16
+    adapters = parse_lora_modules(modules, rank)
+    if not adapters:
+        raise InputError("--lora-modules: at least one adapter (the emulator serves LoRA adapters)")
+    if engine.get("max_lora_rank") is None:
+        engine = {**engine, "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= max(a["rank"] for a in adapters))}
+    sc = build_scenario(profile, adapters, engine={k: v for k, v in engine.items() if v is not None},
+                        lengths=lengths, where="flags")
+    return InstanceSpec(sc, port=port, host=host, served_model_name=served_model_name, name="instance")
+
+
+def spec_from_scenario(path: str, *, port: int, host: str, served_model_name: str | None = None) -> InstanceSpec:
+    return InstanceSpec(load_scenario(path), port=port, host=host, served_model_name=served_model_name,
+                        name=Path(path).name)
+
+
+def _router_ports(router: dict, p: Placement) -> dict[int, tuple[str, int]]:
+    """GPU index -> (host, port) from router.json (routes and router entries are in the same order)."""
+    out: dict[int, tuple[str, int]] = {}
+    for aid, routes in p.routes.items():
+        for (g, _), entry in zip(routes, router.get(aid, [])):
+            u = urlparse(entry["endpoint"])
+            out.setdefault(g, (u.hostname or "127.0.0.1", u.port or 80))
+    return out
+
+
+def specs_from_placement(path: str, *, base_port: int | None, host: str | None,
+                         lengths: str = DEFAULT_LENGTHS) -> list[InstanceSpec]:
+    """One instance per used GPU of a placement, with its flags and adapters, on the port its
+    ``router.json`` (next to placement.json) names, or ``base_port + GPU index``."""
+    try:
+        p = Placement.load(path)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--placement: cannot read {path}: {exc}") from None
+    router_file = Path(path).parent / "router.json"
+    ports = {}
+    if base_port is None and router_file.exists():
+        ports = _router_ports(json.loads(router_file.read_text()), p)
+    specs = []
+    for g, flags in enumerate(p.gpus):
+        adapters = p.adapters_on(g)
+        if not adapters:
+            continue
+        h, port = ports.get(g, ("127.0.0.1", (base_port or 8000) + g))
+        sc = build_scenario(p.profile, [{"id": a.id, "rank": a.rank, "rate": max(a.rate, 1e-9)} for a in adapters],
+                            engine=dataclasses.asdict(flags), lengths=lengths, where=f"placement GPU {g}")
+        specs.append(InstanceSpec(sc, port=port, host=host or h, name=f"GPU {g}", gpu=g))
+    if not specs:
+        raise InputError(f"--placement: {path} routes no adapter to any GPU")
+    return specs
+
+
+def route_table(specs: list[InstanceSpec], placement_path: str | None = None) -> dict:
+    """The router table of instances started here: a placement's routes and weights over its
+    instances' endpoints; otherwise each adapter on every instance serving it, equal weights."""
+    table: dict = {}
+    if placement_path:
+        by_gpu = {s.gpu: s for s in specs}
+        for aid, routes in Placement.load(placement_path).routes.items():
+            table[aid] = [{"endpoint": by_gpu[g].endpoint, "weight": w} for g, w in routes if g in by_gpu]
+        return table
+    for s in specs:
+        ids, _, _ = s.scenario.adapter_table()
+        for a in ids:
+            table.setdefault(a, []).append({"endpoint": s.endpoint, "weight": 1.0})
+    return table
+
+
+def with_lengths(spec: InstanceSpec, lengths: str) -> InstanceSpec:
+    return dataclasses.replace(spec, scenario=replace(spec.scenario, lengths=dataclasses.replace(
+        spec.scenario.lengths, source=lengths)))
+
+
+# ---- serving ---------------------------------------------------------------------------------
+def _server(app, host: str, port: int, log_level: str):
+    # uvicorn only where an emulator runs
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None       # the fleet owns the signals
+    return server
+
+
+async def _serve_one(server) -> bool:
+    """Run one uvicorn server; False when it could not start (uvicorn exits on a bind error)."""
+    try:
+        await server.serve()
+    except SystemExit:
+        return False
+    return True
+
+
+async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
+                ready=None, stop: asyncio.Event | None = None, router: tuple | None = None) -> None:
+    """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set); ``ready``:
+    called once every server listens.  ``router``: (host, port, router table) of a front that
+    forwards to the instances by the table's weights (``lora_opt.emulate.router``)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):     # not the main thread
+            pass
+    servers = []
+    for spec, inst in instances:
+        inst.engine.start()
+        servers.append(_server(build_app(inst), spec.host, spec.port, log_level))
+    fronts = []
+    if router is not None:
+        host, port, table = router
+        servers.append(_server(build_router_app(RouteTable(table)), host, port, log_level))
+        fronts.append(InstanceSpec(scenario=None, port=port, host=host, name="router"))
+    tasks = [asyncio.ensure_future(_serve_one(s)) for s in servers]
+    while not all(s.started for s in servers):
+        if any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.01)
+    failed = [t for t in tasks if t.done()]
+    if not failed and ready is not None:
+        ready()
+    if not failed:
+        await stop.wait()
+    for s in servers:
+        s.should_exit = True
+    for _, inst in instances:
+        inst.engine.close()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.remove_signal_handler(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+    if failed:
+        specs = [spec for spec, _ in instances] + fronts
+        where = ", ".join(f"{spec.host}:{spec.port}" for spec, t in zip(specs, tasks) if t in failed)
+        raise InputError(f"could not listen on {where} (address in use?)")
