@@ -215,11 +215,12 @@ def _json_pairs(pairs):
     return out
 
 
-def parse_json_text(text: str, where: str, error: type[Exception] = ScenarioError):
-    """A JSON document as plain data; NaN/Infinity, duplicate keys and nesting deeper than
-    :data:`MAX_DEPTH` are ``error``s naming ``where``."""
+def parse_json_text(text: str, where: str, error: type[Exception] = ScenarioError, allow_nan: bool = False):
+    """A JSON document as plain data; NaN/Infinity (unless ``allow_nan``: then the fields that
+    need numbers check them), duplicate keys and nesting deeper than :data:`MAX_DEPTH` are
+    ``error``s naming ``where``."""
     try:
-        data = json.loads(text, parse_constant=_json_constant, object_pairs_hook=_json_pairs)
+        data = json.loads(text, parse_constant=float if allow_nan else _json_constant, object_pairs_hook=_json_pairs)
     except (json.JSONDecodeError, ValueError) as exc:
         raise error(f"{where}: not valid JSON: {exc}") from None
     except RecursionError:

@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit status (argparse's errors, e.g. a flag out of range, are 2)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:          # --help (0) or a bad flag (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.run(args)
     except BAD_INPUT as exc:

@@ -11,13 +11,14 @@ import json
 import sys
 from pathlib import Path
 
+from lora_opt.cli.common import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float
 from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 
 
 def register(sub) -> None:
     pl = sub.add_parser("place", help="place a workload's adapters on GPUs; vLLM launch commands and a router table")
     pl.add_argument("--workload", required=True, help="workload YAML/JSON (see configs/workloads/)")
-    pl.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
+    pl.add_argument("--gpus", type=GPUS, required=True, help="GPUs in the pool")
     pl.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                     help=f"placement policy (default: {DEFAULT_POLICY})")
     pl.add_argument("--out", help="output directory (default: outputs/placement-<workload>)")
@@ -25,9 +26,9 @@ def register(sub) -> None:
                     help="also write one vllm serve command per GPU (vLLM 0.33 flags) and router.json")
     pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
     pl.add_argument("--surrogate", help="surrogate directory (default: the bundled one for the profile)")
-    pl.add_argument("--margin", type=float, help="greedy-plus: capacity headroom over the expected load (default 0.1)")
-    pl.add_argument("--verify-s", type=float, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
-    pl.add_argument("--ttft-p99-s", type=float, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
+    pl.add_argument("--margin", type=finite_float(0.0, 1.0), help="greedy-plus: capacity headroom over the expected load (default 0.1)")
+    pl.add_argument("--verify-s", type=NONNEGATIVE_S, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
+    pl.add_argument("--ttft-p99-s", type=POSITIVE_S, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
     pl.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
     pl.add_argument("--history", metavar="LOG.csv",
                     help="request log (timestamp_s, adapter, input_tokens, output_tokens): rates are estimated "

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from lora_opt.cli.common import SEED
+
 
 def register(sub) -> None:
     s = sub.add_parser("simulate", help="simulate one vLLM instance described by a scenario file")
@@ -13,7 +15,7 @@ def register(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     s.add_argument("--timeseries", metavar="FILE",
                    help="write time, running, waiting, KV usage, loaded adapters (CSV or .parquet)")
-    s.add_argument("--seed", type=int, help="override the scenario's seed")
+    s.add_argument("--seed", type=SEED, help="override the scenario's seed")
     s.add_argument("--early-stop", action="store_true",
                    help="stop as soon as starvation is certain (recorded in stopped_early_s)")
     s.set_defaults(run=run)
