@@ -261,10 +261,14 @@ def load_request_log(wl: Workload, path: str | Path):
     p = Path(path)
     if not p.exists():
         raise InputError(f"request log not found: {p}")
+    if not p.is_file():
+        raise InputError(f"request log {p}: not a file")
     try:
-        df = pd.read_csv(p)
+        df = pd.read_csv(p, dtype=str, keep_default_na=False, nrows=MAX_LOG_REQUESTS + 1, encoding="utf-8")
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
-        raise InputError(f"request log {p}: cannot be read as CSV: {exc}") from None
+        raise InputError(f"request log {p}: cannot be read as CSV: {str(exc)[:200]}") from None
+    if len(df) > MAX_LOG_REQUESTS:
+        raise InputError(f"request log {p}: more than {MAX_LOG_REQUESTS:,} requests (the limit)")
     tcol = "timestamp_s" if "timestamp_s" in df.columns else ("timestamp" if "timestamp" in df.columns else None)
     missing = [c for c in ("adapter", "input_tokens", "output_tokens") if c not in df.columns]
     if tcol is None or missing:
@@ -272,32 +276,62 @@ def load_request_log(wl: Workload, path: str | Path):
                          f"output_tokens; missing {missing + ([] if tcol else ['timestamp_s'])}")
     if len(df) == 0:
         raise InputError(f"request log {p}: no requests")
-    t = (pd.to_datetime(df[tcol], errors="coerce") if tcol == "timestamp"
-         else pd.to_numeric(df[tcol], errors="coerce"))
-    if t.isna().any():
-        row = int(np.flatnonzero(t.isna().to_numpy())[0])
-        raise InputError(f"request log {p} line {row + 2}: bad {tcol} value {df[tcol].iloc[row]!r}")
-    t = ((t - t.min()).dt.total_seconds() if tcol == "timestamp" else t - t.min()).to_numpy(float)
+    t = _log_times(df[tcol], tcol, p)
     index = {a.id: k for k, a in enumerate(wl.adapters)}
     ids = df["adapter"].astype(str)
     unknown = sorted(set(ids) - set(index))
     if unknown:
-        raise InputError(f"request log {p}: adapter(s) not in the workload: {', '.join(unknown[:5])}"
+        raise InputError(f"request log {p}: adapter(s) not in the workload: {', '.join(repr(u)[1:-1][:60] for u in unknown[:5])}"
                          f"{' ...' if len(unknown) > 5 else ''}")
-    ins = pd.to_numeric(df["input_tokens"], errors="coerce")
-    outs = pd.to_numeric(df["output_tokens"], errors="coerce")
-    bad = ins.isna() | outs.isna() | (ins < 1) | (outs < 1)
-    if bad.any():
-        row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(f"request log {p} line {row + 2}: input_tokens and output_tokens must be integers >= 1")
+    max_len = wl.engine.max_model_len or load_profile(wl.profile).model.max_model_len
+    ins, outs = (_log_tokens(df[c], c, p, max_len) for c in ("input_tokens", "output_tokens"))
     span = float(t.max()) if t.max() > 0 else 1.0
     adapter = ids.map(index).to_numpy(np.int64)
     order = np.argsort(t, kind="stable")
     adapters = _rates_from_requests(wl, adapter, span)
     req = Requests(arrival=np.ascontiguousarray(t[order]), adapter=adapter[order].astype(np.int32),
-                   in_len=ins.to_numpy(np.int32)[order], out_len=outs.to_numpy(np.int32)[order])
+                   in_len=ins[order].astype(np.int32), out_len=outs[order].astype(np.int32))
     meta = {**wl.meta, "rates_from_log": str(p), "log_requests": int(len(df)), "log_span_s": span}
     return dataclasses.replace(wl, adapters=adapters, meta=meta), req, span
+
+
+#: the most requests a request log may hold, and the longest span it may cover (s, ~3.2 years)
+MAX_LOG_REQUESTS = 50_000_000
+MAX_LOG_SPAN_S = 1e8
+
+
+def _log_times(col, tcol: str, p: Path) -> np.ndarray:
+    """Seconds from the log's first request; every value finite, the span bounded."""
+    import pandas as pd  # heavy optional dependency: only reading a request log needs it
+
+    if tcol == "timestamp":
+        t = pd.to_datetime(col, errors="coerce", utc=True)
+    else:
+        t = pd.to_numeric(col, errors="coerce")
+        t = t.where(np.isfinite(t.to_numpy(float, na_value=np.nan)))
+    if t.isna().any():
+        row = int(np.flatnonzero(t.isna().to_numpy())[0])
+        raise InputError(f"request log {p} line {row + 2}: bad {tcol} value {str(col.iloc[row])[:60]!r} "
+                         f"({'a date-time' if tcol == 'timestamp' else 'a finite number of seconds'} expected)")
+    t = ((t - t.min()).dt.total_seconds() if tcol == "timestamp" else t - t.min()).to_numpy(float)
+    if not np.isfinite(t).all() or t.max() > MAX_LOG_SPAN_S:
+        row = int(np.argmax(np.where(np.isfinite(t), t, np.inf)))
+        raise InputError(f"request log {p} line {row + 2}: {tcol} spans {t.max():g} s from the first request; "
+                         f"at most {MAX_LOG_SPAN_S:g} s")
+    return t
+
+
+def _log_tokens(col, name: str, p: Path, max_len: int) -> np.ndarray:
+    """A token column as int64: whole numbers in 1..max_model_len (no 32-bit wrap-around)."""
+    import pandas as pd  # heavy optional dependency: only reading a request log needs it
+
+    x = pd.to_numeric(col, errors="coerce").to_numpy(float, na_value=np.nan)
+    bad = ~np.isfinite(x) | (x < 1) | (x > max_len) | (x != np.floor(x))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InputError(f"request log {p} line {row + 2}: {name} must be an integer in 1..{max_len:,} "
+                         f"(max_model_len), got {str(col.iloc[row])[:40]!r}")
+    return x.astype(np.int64)
 
 
 def split_request_log(wl: Workload, req, span: float):
