@@ -64,7 +64,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
     verdict (or one JSON object); the verdict's exit status."""
     from lora_opt.placement.policies import PlacementContext, get_policy
-    from lora_opt.placement.report import EXIT_INFEASIBLE, EXIT_OK, placement_table, verdict, write_outputs
+    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, verdict,
+                                           write_outputs)
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
@@ -79,6 +80,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     written = []
     if code != EXIT_INFEASIBLE:
         written = write_outputs(p, ctx.profile, out_path, emit_vllm=emit_vllm and code == EXIT_OK, model=model)
+    elif out_path.is_dir():
+        clean_outputs(out_path)          # a previous run's placement must not pass for this one's
     if as_json:
         out.write(json.dumps({"exit": code, "message": message, "files": [str(w) for w in written],
                               **p.to_dict()}) + "\n")

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, int_range
 from lora_opt.errors import InputError
+from lora_opt.io import atomic_write_json
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
 
@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.workload_file import load_workload
     from lora_opt.search.study import SearchSetup, front_table, replay_front, run_search, traffic_halves
 
+    if args.storage:
+        from lora_opt.search.study import check_storage
+        check_storage(args.storage)
     wl = load_workload(args.workload)
     if args.trials < 1:
         raise InputError(f"--trials: must be >= 1, got {args.trials}")
@@ -69,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
     rows = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
     for r in rows:
         r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
-    (out / "front.json").write_text(json.dumps({"study": res.study_name, "storage": res.storage,
-                                                "criterion": setup.criterion.label, "objective": args.objective,
-                                                "trials": res.trials, "complete": res.complete,
-                                                "failed": res.failed, "wall_s": res.wall_s, "front": rows},
-                                               indent=1, default=str))
+    atomic_write_json(out / "front.json", {"study": res.study_name, "storage": res.storage,
+                                           "criterion": setup.criterion.label, "objective": args.objective,
+                                           "trials": res.trials, "complete": res.complete,
+                                           "failed": res.failed, "wall_s": res.wall_s, "front": rows},
+                      indent=1, default=str)
     print(f"study {res.study_name} in {res.storage}: {res.trials} trials ({res.complete} complete, {res.failed} "
           f"failed{f', {res.resumed_stale} in flight at the last kill marked failed' if res.resumed_stale else ''}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")

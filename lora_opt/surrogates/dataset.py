@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -27,6 +28,7 @@ from typing import Any
 from tqdm import tqdm
 
 import twin
+from lora_opt.io import atomic_write_bytes, atomic_write_json
 from lora_opt.parallel import run_batches, simulate_dict
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, gpu_features
 from lora_opt.tracking import tracked_run
@@ -315,11 +317,23 @@ def _shard_complete(path: Path, expected_ids: list[int]) -> bool:
 def _write_shard(path: Path, rows: list[dict]) -> None:
     import pandas as pd  # heavy optional dependency: only when writing shards
 
-    tmp = path.with_suffix(".parquet.tmp")
-    pd.DataFrame(rows).to_parquet(tmp, index=False)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)                 # atomic: a shard is complete or absent
+    buf = io.BytesIO()
+    pd.DataFrame(rows).to_parquet(buf, index=False)
+    # atomic, with a temporary name unique to this writer: a shard is complete or absent, and two
+    # writers of one directory never share a temporary file (both write identical rows)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Temporary shard files of writers that died (``kill -9``) before renaming them."""
+    for f in out.glob(".shard-*.tmp"):
+        try:
+            pid = int(f.name.split(".")[3])
+            os.kill(pid, 0)                # still running: its file, leave it
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue
 
 
 def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, workers: int | None = None,
@@ -333,6 +347,7 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     prof_name, prof_hash = _profile_info(profile)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out)
     if limit is not None and limit < 1:
         raise ScenarioError(f"dataset --limit: must be >= 1, got {limit}")
     points = grid.points(limit)
@@ -341,13 +356,15 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
                 "shard_size": grid.shard_size}
     mpath = out / "manifest.json"
     if mpath.exists():
-        old = json.loads(mpath.read_text())
+        old = read_config_file(mpath, "dataset manifest")
+        if not isinstance(old, dict):
+            raise ScenarioError(f"dataset: {mpath} is not a dataset manifest; use another --out directory")
         for k in ("grid_hash", "profile_hash", "twin_version", "n_points"):
             if old.get(k) != manifest[k]:
                 raise ScenarioError(f"dataset: {out} holds a dataset with a different {k} "
                                     f"({old.get(k)} != {manifest[k]}); use another --out directory")
     else:
-        mpath.write_text(json.dumps(manifest, indent=2))
+        atomic_write_json(mpath, manifest, indent=2)
     n_shards = (len(points) + grid.shard_size - 1) // grid.shard_size
     todo, done_points = [], 0
     for i in range(n_shards):
@@ -374,7 +391,8 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     summary = {"out": str(out), "rows": len(points), "rows_labelled_now": labelled, "rows_resumed": done_points,
                "shards": n_shards, "wall_s": wall, "rows_per_s": labelled / wall if wall > 0 else float("nan"),
                "dataset_hash": dataset_hash(out), **{k: manifest[k] for k in ("grid_hash", "profile", "twin_version")}}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
+    _remove_stale_temporaries(out)
     if track:
         import mlflow  # heavy optional dependency: only when tracking
 
