@@ -147,8 +147,8 @@ class _Loader(yaml.SafeLoader):
                     key = (key_node.tag, key_node.value)
                     if key in seen:
                         raise yaml.constructor.ConstructorError(
-                            None, None, f"duplicate key {key_node.value!r} (first at line {seen[key]})",
-                            key_node.start_mark)
+                            None, None, f"duplicate key {key_node.value!r:.80} at line {key_node.start_mark.line + 1} "
+                            f"(first at line {seen[key]})", key_node.start_mark)
                     seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -183,6 +183,7 @@ def parse_yaml_text(text: str, where: str, error: type[Exception] = ScenarioErro
     once aliases are expanded, or nesting deeper than :data:`MAX_DEPTH` are ``error``s naming
     ``where`` (and the line)."""
     loader = _Loader(text)
+    loader.name = where                    # marks (line, column) name the file
     try:
         node = loader.get_single_node()
         if node is None:
