@@ -182,7 +182,10 @@ def parse_yaml_text(text: str, where: str, error: type[Exception] = ScenarioErro
     """A YAML document as plain data: duplicate keys, more than :data:`MAX_DOCUMENT_NODES` nodes
     once aliases are expanded, or nesting deeper than :data:`MAX_DEPTH` are ``error``s naming
     ``where`` (and the line)."""
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)             # the reader refuses non-printable characters here
+    except yaml.YAMLError as exc:
+        raise error(f"{where}: not valid YAML: {str(exc).replace('<unicode string>', where)}") from None
     loader.name = where                    # marks (line, column) name the file
     try:
         node = loader.get_single_node()
