@@ -291,7 +291,8 @@ def validate(sc: Scenario, where: str = "scenario") -> None:
 
 def _limit(value: float, limit: float, where: str, what: str) -> None:
     if value > limit:
-        raise ScenarioError(f"{where}: {what} {value:,.0f} exceeds the limit of {limit:,.0f}")
+        shown = f"{value:,.0f}" if value < 1e15 else f"{value:.3g}"
+        raise ScenarioError(f"{where}: {what} {shown} exceeds the limit of {limit:,.0f}")
 
 
 def check_sizes(sc: Scenario, where: str = "scenario") -> None:

@@ -298,8 +298,11 @@ def workload_from_placement(p: Placement):
     """A workload for a placement file alone: its adapters, profile and rho; Poisson replay."""
     from lora_opt.placement.workload_file import PlacementEngine, Workload
 
+    if not p.gpus:
+        raise ScenarioError("placement: no GPUs to evaluate")
     g = p.gpus[0]
-    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=float(p.meta.get("rho", DEFAULT_RHO)),
+    # rho as the placement recorded it; with_evaluation / workload_from_dict check it like a workload's
+    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=p.meta.get("rho", DEFAULT_RHO),
                     engine=PlacementEngine(g.max_num_seqs, g.max_num_batched_tokens, g.gpu_memory_utilization,
                                            g.max_model_len),
                     name=str(p.meta.get("workload", "")))

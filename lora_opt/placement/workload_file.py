@@ -197,7 +197,7 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
     ev = _parse_evaluation(data.get("evaluation") or {}, f"{where}.evaluation")
     expected = ev.duration_s * sum(a.rate for a in adapters)
     if expected > MAX_REQUESTS:
-        raise InputError(f"{where}.evaluation.duration_s: expected requests {expected:,.0f} (duration_s "
+        raise InputError(f"{where}.evaluation.duration_s: expected requests {expected:,.4g} (duration_s "
                          f"{ev.duration_s:g} x total rate) exceed the limit of {MAX_REQUESTS:,}")
     meta = data.get("meta") or {}
     if not isinstance(meta, dict):
@@ -207,8 +207,11 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
     except (TypeError, ValueError) as exc:
         raise InputError(f"{where}.meta: must be plain JSON data (strings, finite numbers, lists, mappings): "
                          f"{exc}") from None
+    name = check_type(data.get("name", ""), "str", f"{where}.name", InputError)
+    if name and (check_adapter_id(name, f"{where}.name", InputError) and ("/" in name or "\\" in name)):
+        raise InputError(f"{where}.name: {name!r:.80} must not contain '/' (it names output directories)")
     wl = Workload(profile=profile, adapters=tuple(adapters), rho=rho, engine=engine, evaluation=ev,
-                  name=check_type(data.get("name", ""), "str", f"{where}.name", InputError), meta=meta)
+                  name=name, meta=meta)
     # the profile must exist and the evaluation traffic must make a valid scenario: the twin's
     # verdicts, reported as the workload file's fault
     try:
