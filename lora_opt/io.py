@@ -13,12 +13,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lora_opt.errors import InputError
+
 
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename); ``mode``: chmod bits."""
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename); ``mode``: chmod bits.
+    A path that cannot be written (a directory, no permission, disk full) is an ``InputError``
+    naming it; the old file, if any, is left as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -29,11 +38,13 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
         else:
             os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise
     return path
 

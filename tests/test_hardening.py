@@ -392,3 +392,19 @@ def test_torn_dataset_manifest_is_a_clean_error(tmp_path):
     (out / "manifest.json").write_text('{"grid_hash": "ab')
     with pytest.raises(ScenarioError, match="manifest.json"):
         ds.generate(None, "tiny", out, workers=1, limit=1, progress=False, track=False)
+
+
+def test_output_path_that_is_a_directory_or_a_file_is_a_clean_error(tmp_path, capsys):
+    sc = write(tmp_path, SCENARIO)
+    rc, _, err = cli(capsys, "simulate", sc, "--timeseries", str(tmp_path))
+    assert rc == 2 and "is a directory" in err
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = cli(capsys, "place", "--workload", write(tmp_path, WORKLOAD, "w.yaml"), "--gpus", "2",
+                     "--policy", "greedy-fast", "--out", str(tmp_path / "afile"))
+    assert rc == 2 and "afile" in err and "Traceback" not in err
+
+
+def test_workload_name_cannot_leave_the_output_directory():
+    for name in ("../../etc", "a/b", "x\ny"):
+        with pytest.raises(InputError, match="name"):
+            workload_from_dict({"profile": PROFILE, "adapters": [{"id": "a", "rank": 8, "rate": 1}], "name": name})

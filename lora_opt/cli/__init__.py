@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as exc:
         print(f"lora-opt {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        # an output path that cannot be made (--out names a file, no permission): the user's to fix
+        print(f"lora-opt {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"lora-opt {args.command}: interrupted", file=sys.stderr)
         return 130

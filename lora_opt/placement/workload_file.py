@@ -267,7 +267,8 @@ def load_request_log(wl: Workload, path: str | Path):
     if not p.is_file():
         raise InputError(f"request log {p}: not a file")
     try:
-        df = pd.read_csv(p, dtype=str, keep_default_na=False, nrows=MAX_LOG_REQUESTS + 1, encoding="utf-8")
+        df = pd.read_csv(p, dtype={"adapter": str}, keep_default_na=False, nrows=MAX_LOG_REQUESTS + 1,
+                         encoding="utf-8")
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
         raise InputError(f"request log {p}: cannot be read as CSV: {str(exc)[:200]}") from None
     if len(df) > MAX_LOG_REQUESTS:
@@ -298,8 +299,8 @@ def load_request_log(wl: Workload, path: str | Path):
     return dataclasses.replace(wl, adapters=adapters, meta=meta), req, span
 
 
-#: the most requests a request log may hold, and the longest span it may cover (s, ~3.2 years)
-MAX_LOG_REQUESTS = 50_000_000
+#: the most requests a request log may hold (~1 GB read), and the longest span it may cover (s, ~3.2 years)
+MAX_LOG_REQUESTS = 10_000_000
 MAX_LOG_SPAN_S = 1e8
 
 
