@@ -262,8 +262,10 @@ def read_text_file(path: str | Path, what: str, error: type[Exception] = Scenari
         if size > max_bytes:
             raise error(f"{p}: {size:,} bytes; a {what} file may hold at most {max_bytes:,} bytes "
                         f"({max_bytes // 2**20} MiB)")
-        with open(p, "rb") as fh:
-            raw = fh.read(max_bytes + 1)
+        with open(p, "rb") as fh:        # read(n) allocates n bytes: ask for what the file holds
+            raw = fh.read(size + 1)
+            if len(raw) > size:              # it grew since stat(): read on, up to the cap
+                raw += fh.read(max_bytes + 1 - len(raw))
     except OSError as exc:
         raise error(f"{p}: cannot be read: {exc.strerror or exc}") from None
     if len(raw) > max_bytes:
