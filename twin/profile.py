@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from twin.errors import ScenarioError
 from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
+from twin.parsing import read_config_file
 from twin.paths import PROFILES_DIR
 
 GIB = 1024**3
@@ -368,8 +367,8 @@ def load_profile(name_or_path: str | Path) -> Profile:
             raise ScenarioError(f"profile: unknown profile {str(name_or_path)!r}; bundled profiles: "
                                 f"{bundled_profiles()} (or give a path to a profile YAML)")
         p = cand
-    if not p.exists():
-        raise ScenarioError(f"profile: file not found: {p}")
+    if not p.is_file():
+        raise ScenarioError(f"profile: {'not a file' if p.exists() else 'file not found'}: {p}")
     st = p.stat()
     return _load_profile_file(str(p.resolve()), st.st_mtime_ns, st.st_size)
 
@@ -377,11 +376,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
 @functools.lru_cache(maxsize=64)
 def _load_profile_file(path: str, _mtime_ns: int, _size: int) -> Profile:
     p = Path(path)
-    with open(p) as fh:
-        try:
-            data = yaml.safe_load(fh)
-        except yaml.YAMLError as exc:
-            raise ScenarioError(f"profile {p}: not valid YAML: {exc}") from None
+    data = read_config_file(p, "profile")
     if not isinstance(data, dict):
         raise ScenarioError(f"profile {p}: not a mapping")
     return profile_from_dict(data, str(p))

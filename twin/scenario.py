@@ -20,13 +20,25 @@ from twin.arrivals import PROCESSES
 from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
 from twin.flags import VLLM_LORA_RANKS, EngineFlags, check_rank
-from twin.parsing import build_dataclass, check_choice, check_positive, read_config_file
+from twin.parsing import build_dataclass, check_adapter_id, check_choice, check_positive, read_config_file
 from twin.profile import Profile, load_profile
 
 ARRIVAL_PROCESSES = (*PROCESSES, "trace")        # synthetic processes: twin.arrivals
 LENGTH_SOURCES = ("sharegpt", "sharegpt-8k", "arxiv", "normal", "mean", "trace")
 TRACE_MAPPINGS = ("uniform", "powerlaw", "rates")
 ADAPTER_CACHE_POLICIES = tuple(CACHE_POLICIES)     # eviction policies: twin.adapter_cache
+
+#: Sizes a scenario may ask for, checked before anything is allocated (errors name the field, the
+#: value and the limit): adapters (groups expanded), expected requests (duration x total rate, x
+#: rate_max_factor for nonstationary arrivals), time-series samples (duration / interval; the
+#: kernel allocates them up front), nonstationary windows (adapters x duration / window_s).
+MAX_ADAPTERS = 1_000_000
+MAX_REQUESTS = 50_000_000
+MAX_TIMESERIES_SAMPLES = 10_000_000
+MAX_WINDOWS = 10_000_000
+#: the longest simulated window (s, ~3.2 years) and the largest mean request length (tokens)
+MAX_DURATION_S = 1e8
+MAX_MEAN_TOKENS = 10_000_000
 
 #: The papers' starvation threshold: a GPU starves when its throughput is below rho x the incoming
 #: token rate.  The one default of rho everywhere (scenarios, workloads, grids, criteria).
@@ -197,6 +209,8 @@ def _parse_adapters(value, where) -> tuple[AdapterGroup, ...]:
             raise ScenarioError(f"{w}.rate: must be > 0 requests/s, got {g.rate}")
         if g.id is not None and g.count != 1:
             raise ScenarioError(f"{w}.id: a named adapter must have count 1, got count {g.count}")
+        if g.id is not None:
+            check_adapter_id(g.id, f"{w}.id")
     return groups
 
 
@@ -272,6 +286,37 @@ def validate(sc: Scenario, where: str = "scenario") -> None:
         check_positive(getattr(ln, name), f"{where}.lengths.{name}", strict=False)
     if ln.source == "trace" and a.process != "trace":
         raise ScenarioError(f"{where}.lengths.source: trace needs arrivals.process: trace")
+    check_sizes(sc, where)
+
+
+def _limit(value: float, limit: float, where: str, what: str) -> None:
+    if value > limit:
+        shown = f"{value:,.0f}" if value < 1e15 else f"{value:.3g}"
+        raise ScenarioError(f"{where}: {what} {shown} exceeds the limit of {limit:,.0f}")
+
+
+def check_sizes(sc: Scenario, where: str = "scenario") -> None:
+    """Refuse a scenario whose arrays would not fit (sizes bounded before allocating): see
+    :data:`MAX_ADAPTERS`, :data:`MAX_REQUESTS`, :data:`MAX_TIMESERIES_SAMPLES`, :data:`MAX_WINDOWS`."""
+    a, ln, T = sc.arrivals, sc.lengths, sc.duration_s
+    if T > MAX_DURATION_S:
+        raise ScenarioError(f"{where}.duration_s: {T:g} s exceeds the limit of {MAX_DURATION_S:g} s")
+    n_adapters = sum(g.count for g in sc.adapters)
+    _limit(n_adapters, MAX_ADAPTERS, f"{where}.adapters", "adapters (counts summed)")
+    _limit(T / sc.timeseries_interval_s, MAX_TIMESERIES_SAMPLES, f"{where}.timeseries_interval_s",
+           f"time-series samples (duration_s {T:g} / interval {sc.timeseries_interval_s:g})")
+    if a.process != "trace":
+        peak = a.rate_max_factor if a.process == "nonstationary" else 1.0
+        expected = T * peak * sum(g.count * g.rate for g in sc.adapters)
+        _limit(expected, MAX_REQUESTS, f"{where}.adapters",
+               f"expected requests (duration_s x total rate{' x rate_max_factor' if peak != 1.0 else ''})")
+        if a.process == "nonstationary":
+            _limit(n_adapters * T / a.window_s, MAX_WINDOWS, f"{where}.arrivals.window_s",
+                   "rate windows (adapters x duration_s / window_s)")
+    for name in ("mean_in", "mean_out", "std_in", "std_out"):
+        v = getattr(ln, name)
+        if v is not None and v > MAX_MEAN_TOKENS:
+            raise ScenarioError(f"{where}.lengths.{name}: {v:g} tokens exceeds the limit of {MAX_MEAN_TOKENS:,}")
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -27,7 +27,7 @@ RESULT_KEYS = (
     "status", "duration_s", "completed", "total_input_tokens", "total_output_tokens",
     "throughput_tok_s", "input_throughput", "output_throughput", "incoming_token_rate", "starving",
     "ttft_ms", "itl_ms", "tpot_ms", "running_mean", "waiting_mean", "preemptions",
-    "adapter_loads_cpu", "adapter_loads_disk", "kv_cache_tokens", "stopped_early_s",
+    "adapter_loads_cpu", "adapter_loads_disk", "kv_cache_tokens", "stopped_early_s", "throughput_span_s",
 )
 
 
@@ -95,6 +95,14 @@ class Result:
     """Raw latencies, so results of several GPUs combine exactly: ``ttft_ms`` (per completed
     request), ``itl_ms`` / ``itl_count`` (inter-token gaps and how many tokens saw each), and per
     request ``arrival_s``, ``tokens`` (prompt + output) and ``done`` (completed in the window)."""
+
+    @property
+    def throughput_span_s(self) -> float:
+        """The span every rate is averaged over: the whole window, ``duration_s``, also when the
+        run stopped early (tokens not served by the stop count as not served, so an early-stopped
+        run's throughput is a lower bound of the full run's and the starving verdict -- throughput
+        < rho x incoming, both over this span -- is the full run's)."""
+        return self.duration_s
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RESULT_KEYS}

@@ -135,18 +135,26 @@ def _synthetic_arrivals(sc: Scenario, rng, rates):
     return np.concatenate(times), np.concatenate(adapters)
 
 
+#: a trace CSV's limits: rows, token counts of one request (int32), |timestamp| in seconds
+MAX_TRACE_ROWS = 50_000_000
+MAX_TRACE_TOKENS = 2**31 - 1
+MAX_TRACE_SECONDS = 1e12
+
+
 def load_trace(name_or_path: str):
     """A trace as a DataFrame: t (seconds from its first request), in_len, out_len; validated."""
     import pandas as pd
 
     path = TRACES.get(name_or_path, Path(name_or_path))
-    if not path.exists():
-        raise ScenarioError(f"arrivals.trace: {name_or_path!r} is neither a bundled trace "
+    if not path.is_file():
+        raise ScenarioError(f"arrivals.trace: {str(name_or_path)!r:.200} is neither a bundled trace "
                             f"({', '.join(TRACES)}) nor an existing CSV file")
     try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+        df = pd.read_csv(path, dtype=str, keep_default_na=False, nrows=MAX_TRACE_ROWS + 1, encoding="utf-8")
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
-        raise ScenarioError(f"trace {path}: cannot be read as CSV: {exc}") from None
+        raise ScenarioError(f"trace {path}: cannot be read as CSV: {str(exc)[:200]}") from None
+    if len(df) > MAX_TRACE_ROWS:
+        raise ScenarioError(f"trace {path}: more than {MAX_TRACE_ROWS:,} requests (the limit)")
     layout = next((lay for lay in TRACE_LAYOUTS if set(lay[0:1] + lay[2:]) <= set(df.columns)), None)
     if layout is None:
         raise ScenarioError(f"trace {path}: header {list(df.columns)} matches no known layout; expected "
@@ -163,12 +171,16 @@ def load_trace(name_or_path: str):
             tsec = tsec / 1000.0
     ins = pd.to_numeric(df[icol], errors="coerce")
     outs = pd.to_numeric(df[ocol], errors="coerce")
-    for col, ok in ((tcol, ~bad), (icol, ins.notna() & (ins >= 0)), (ocol, outs.notna() & (outs >= 0))):
+    if unit != "datetime":         # inf, -inf and numbers whose span no window reaches are bad too
+        bad = bad | ~np.isfinite(tsec.to_numpy(float, na_value=np.nan)) | (tsec.abs() > MAX_TRACE_SECONDS)
+    for col, ok in ((tcol, ~bad), (icol, ins.notna() & (ins >= 0) & (ins <= MAX_TRACE_TOKENS)),
+                    (ocol, outs.notna() & (outs >= 0) & (outs <= MAX_TRACE_TOKENS))):
         if not ok.all():
             row = int(np.flatnonzero(~ok.to_numpy())[0])
             raise ScenarioError(f"trace {path} line {row + 2}: bad {col} value "
-                                f"{df[col].iloc[row]!r} (expected a number >= 0"
-                                f"{' or a timestamp' if unit == 'datetime' else ''})")
+                                f"{str(df[col].iloc[row])[:60]!r} (expected a number >= 0"
+                                f"{' or a timestamp' if unit == 'datetime' else ''}"
+                                f"{f', tokens <= {MAX_TRACE_TOKENS:,}' if col != tcol else f', |seconds| <= {MAX_TRACE_SECONDS:g}'})")
     if len(df) == 0:
         raise ScenarioError(f"trace {path}: no requests")
     tsec = tsec.to_numpy(float)

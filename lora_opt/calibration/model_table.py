@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lora_opt.errors import InputError
 from twin.errors import ScenarioError
+from twin.parsing import read_config_file
 from twin.paths import CONFIGS_DIR, REPO_ROOT
 from twin.profile import LORA_SET_RULES, EngineDefaults, ModelSpec
 
@@ -168,10 +167,7 @@ def _check_references(models: dict[str, ModelEntry], path: Path) -> None:
 def load_model_table(path: str | Path = MODEL_TABLE_PATH) -> tuple[dict[str, GpuEntry], dict[str, ModelEntry]]:
     """(GPUs, models) of a model table file; InputError names the file and the field that is wrong."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise InputError(f"model table {path}: cannot read: {exc}") from None
+    raw = read_config_file(path, "model table", InputError)
     if not isinstance(raw, dict) or set(raw) != {"gpus", "models"}:
         raise InputError(f"model table {path}: expected exactly the sections 'gpus' and 'models'")
     gpus = {str(k): _gpu(str(k), v, f"{path}: gpus.{k}") for k, v in (raw["gpus"] or {}).items()}

@@ -33,11 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit status (argparse's errors, e.g. a flag out of range, are 2)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:          # --help (0) or a bad flag (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.run(args)
     except BAD_INPUT as exc:
         print(f"lora-opt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        # an output path that cannot be made (--out names a file, no permission): the user's to fix
+        print(f"lora-opt {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"lora-opt {args.command}: interrupted", file=sys.stderr)

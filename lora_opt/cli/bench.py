@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from lora_opt.cli.common import finite_float, int_range
+
 
 # imports inside each runner: only the command that runs pays for them (start-up time)
 def _twin(args: argparse.Namespace) -> int:
@@ -42,11 +44,12 @@ def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (speed and memory), reported as numbers, not tests")
     b.add_argument("what", choices=list(BENCHMARKS), help="what to benchmark")
     b.add_argument("--grid", default="papers", help="dataset: grid to sample (default: papers)")
-    b.add_argument("--sample", type=int, default=64, help="dataset: grid points to label per worker count")
+    b.add_argument("--sample", type=int_range(1, 1_000_000), default=64, help="dataset: grid points to label per worker count")
     b.add_argument("--out", help="also write the results as JSON here")
-    b.add_argument("--repeats", type=int, default=3, help="timed repetitions per scenario (best is kept)")
-    b.add_argument("--concurrency", type=int, default=600, help="emulate: streams kept open")
-    b.add_argument("--duration", type=float, default=30.0, help="emulate: measured seconds (after 8 s warm-up)")
+    b.add_argument("--repeats", type=int_range(1, 1000), default=3, help="timed repetitions per scenario (best is kept)")
+    b.add_argument("--concurrency", type=int_range(1, 100_000), default=600, help="emulate: streams kept open")
+    b.add_argument("--duration", type=finite_float(1.0, 86_400.0), default=30.0,
+                   help="emulate: measured seconds (after 8 s warm-up)")
     b.add_argument("--pin", action="store_true", help="emulate: pin the server to one CPU, the client to the others")
     b.set_defaults(run=run)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from lora_opt.cli.common import add_ray_flags, add_tracking_flag
+from lora_opt.cli.common import add_ray_flags, add_tracking_flag, int_range
 from lora_opt.surrogates.dataset import GRIDS_DIR
 
 
@@ -14,7 +14,7 @@ def register(sub) -> None:
     d.add_argument("--grid", required=True, help=f"grid YAML, or a bundled grid name ({grids})")
     d.add_argument("--out", required=True, help="dataset directory (Parquet shards); rerun to resume")
     add_ray_flags(d)
-    d.add_argument("--limit", type=int, help="only the first N grid points")
+    d.add_argument("--limit", type=int_range(1, 10**12), help="only the first N grid points")
     add_tracking_flag(d)
     d.set_defaults(run=run)
 

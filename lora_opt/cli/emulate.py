@@ -6,6 +6,10 @@ import argparse
 import os
 import sys
 
+from lora_opt.cli.common import finite_float, int_range
+
+PORT = int_range(0, 65535)
+
 
 def register(sub) -> None:
     e = sub.add_parser("emulate", help="serve vLLM's OpenAI API from the twin in real time (one instance or a "
@@ -17,20 +21,21 @@ def register(sub) -> None:
     e.add_argument("--profile", help="one instance from vLLM's flags: the model profile (bundled name or YAML)")
     e.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="the adapters (vLLM's flag; rank from PATH/adapter_config.json, else --max-lora-rank)")
-    for flag, typ in (("--max-loras", int), ("--max-lora-rank", int), ("--max-cpu-loras", int),
-                      ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
-                      ("--gpu-memory-utilization", float), ("--max-model-len", int)):
+    count = int_range(1, 10_000_000)
+    for flag, typ in (("--max-loras", count), ("--max-lora-rank", count), ("--max-cpu-loras", count),
+                      ("--max-num-seqs", count), ("--max-num-batched-tokens", count),
+                      ("--gpu-memory-utilization", finite_float(0.0, 1.0, lo_open=True)), ("--max-model-len", count)):
         e.add_argument(flag, type=typ, help="vLLM's flag (default: the profile's)")
     e.add_argument("--served-model-name", help="the base model's name in the API (default: the profile's model)")
     e.add_argument("--host", help="bind address (default 127.0.0.1; a placement: its router.json's hosts)")
-    e.add_argument("--port", type=int, default=8000, help="one instance: port (default 8000)")
-    e.add_argument("--base-port", type=int, help="a placement: GPU i listens on BASE_PORT + i (instead of router.json)")
-    e.add_argument("--router-port", type=int,
+    e.add_argument("--port", type=PORT, default=8000, help="one instance: port (default 8000)")
+    e.add_argument("--base-port", type=PORT, help="a placement: GPU i listens on BASE_PORT + i (instead of router.json)")
+    e.add_argument("--router-port", type=PORT,
                    help="also serve a router on this port: it forwards each request to an instance of its "
                         "adapter by the placement's weights")
-    e.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
+    e.add_argument("--speed", type=finite_float(0.001, 10_000.0), default=1.0, help="simulated seconds per wall second (default 1)")
     e.add_argument("--lengths", help="length model EOS stops are drawn from (default: the scenario's, else sharegpt)")
-    e.add_argument("--seed", type=int, default=0, help="seed of the EOS draws")
+    e.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the EOS draws")
     e.add_argument("--log-level", default="warning", help="uvicorn's log level")
     e.set_defaults(run=run)
 

@@ -5,26 +5,33 @@ import argparse
 import json
 from pathlib import Path
 
-from lora_opt.cli.common import add_ray_flags
+from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_ray_flags, finite_float
+from lora_opt.errors import InputError
+from lora_opt.io import atomic_write_json
 from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
 from twin.workload import TRACES
 
 
+#: --grace-s's default (s): lora_opt.placement.evaluate.GRACE_S, spelled here so --help needs no import
+GRACE_DEFAULT_S = 60.0
+
+
 def register(sub) -> None:
     ev = sub.add_parser("evaluate", help="replay a placement's traffic on the twin, one simulation per GPU (Ray)")
-    ev.add_argument("placement", help="placement.json written by lora-opt place")
+    ev.add_argument("placement", help="placement.json written by lora-opt place (or the directory holding it)")
     ev.add_argument("--workload", help="workload file (its evaluation section); default: Poisson at the placement's rates")
     ev.add_argument("--arrivals", choices=list(ARRIVAL_PROCESSES), help="arrival process")
     ev.add_argument("--trace", help=f"trace to replay ({', '.join(TRACES)}, or a CSV); implies --arrivals trace")
     ev.add_argument("--mapping", choices=list(TRACE_MAPPINGS), help="trace requests -> adapters")
-    ev.add_argument("--time-scale", type=float, help="trace: multiply inter-arrival times (< 1 = more load)")
-    ev.add_argument("--start-s", type=float, help="trace: skip this many (scaled) seconds")
-    ev.add_argument("--duration-s", type=float, help="replayed seconds")
+    ev.add_argument("--time-scale", type=finite_float(0.0, 1e6, lo_open=True), help="trace: multiply inter-arrival times (< 1 = more load)")
+    ev.add_argument("--start-s", type=NONNEGATIVE_S, help="trace: skip this many (scaled) seconds")
+    ev.add_argument("--duration-s", type=POSITIVE_S, help="replayed seconds")
     ev.add_argument("--lengths", help=f"length model ({', '.join(LENGTH_SOURCES)})")
-    ev.add_argument("--seed", type=int, help="seed of arrivals, lengths, mapping and routing draws")
+    ev.add_argument("--seed", type=SEED, help="seed of arrivals, lengths, mapping and routing draws")
     add_ray_flags(ev)
-    ev.add_argument("--grace-s", type=float, default=60.0,
-                    help="starvation verdict ignores requests arriving this close to the end (0 = benchmark_serving's definition)")
+    ev.add_argument("--grace-s", type=NONNEGATIVE_S,
+                    help="starvation verdict ignores requests arriving this close to the end (default "
+                         f"{GRACE_DEFAULT_S:g}; 0 = benchmark_serving's definition; below --duration-s)")
     ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
     ev.add_argument("--out", help="also write the evaluation JSON here")
     ev.set_defaults(run=run)
@@ -38,19 +45,19 @@ def run(args: argparse.Namespace) -> int:
 
     if not Path(args.placement).exists():
         raise PlacementError(f"placement file not found: {args.placement}")
-    try:
-        p = Placement.load(args.placement)
-    except json.JSONDecodeError as exc:
-        raise PlacementError(f"{args.placement}: not a placement JSON ({exc})") from None
+    p = Placement.load(args.placement)            # a file, or the directory lora-opt place wrote
     wl = load_workload(args.workload) if args.workload else workload_from_placement(p)
     wl = with_evaluation(wl, process=args.arrivals, trace=args.trace, mapping=args.mapping,
                          time_scale=args.time_scale, start_s=args.start_s, duration_s=args.duration_s,
                          lengths=args.lengths, seed=args.seed)
+    grace_s = GRACE_DEFAULT_S if args.grace_s is None else args.grace_s
+    if args.grace_s is not None and grace_s >= wl.evaluation.duration_s:
+        raise InputError(f"--grace-s: {grace_s:g} s must be below the replayed duration "
+                         f"{wl.evaluation.duration_s:g} s (otherwise no request is due and every GPU passes)")
     ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address, progress=not args.json,
-                            grace_s=args.grace_s)
+                            grace_s=grace_s)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(ev, indent=1))
+        atomic_write_json(args.out, ev, indent=1)
     if args.json:
         print(json.dumps(ev))
     else:

@@ -5,25 +5,25 @@ import argparse
 import shlex
 import sys
 
-from lora_opt.cli.common import add_ray_flags, add_tracking_flag
+from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, add_ray_flags, add_tracking_flag, int_range
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
 
 def register(sub) -> None:
     pa = sub.add_parser("pareto", help="GPU count vs latency fronts: rho and SLO sweeps, greedy policies and search")
     pa.add_argument("--workload", required=True, help="workload YAML/JSON")
-    pa.add_argument("--gpus", type=int, default=4, help="GPUs in the pool (default 4)")
-    pa.add_argument("--rhos", type=float, nargs="+", default=[0.70, 0.75, 0.80, 0.85, 0.90, 0.95])
-    pa.add_argument("--ttft-slos-ms", type=float, nargs="*", default=[1000.0, 5000.0],
+    pa.add_argument("--gpus", type=GPUS, default=4, help="GPUs in the pool (default 4)")
+    pa.add_argument("--rhos", type=FRACTION, nargs="+", default=[0.70, 0.75, 0.80, 0.85, 0.90, 0.95])
+    pa.add_argument("--ttft-slos-ms", type=POSITIVE_MS, nargs="*", default=[1000.0, 5000.0],
                     help="p99-style TTFT targets, each a criterion with --attainment (default 1000 5000)")
-    pa.add_argument("--itl-slos-ms", type=float, nargs="*", default=[100.0], help="ITL targets (default 100)")
-    pa.add_argument("--attainment", type=float, default=0.9)
+    pa.add_argument("--itl-slos-ms", type=POSITIVE_MS, nargs="*", default=[100.0], help="ITL targets (default 100)")
+    pa.add_argument("--attainment", type=FRACTION, default=0.9)
     pa.add_argument("--history", metavar="LOG.csv",
                     help="request log (as for place): rates, greedy-plus verification and search traffic from "
                          "its first half; every point replayed on its second half")
     pa.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES))
-    pa.add_argument("--trials", type=int, default=24, help="search trials per criterion (0 = greedy policies only)")
-    pa.add_argument("--ref-latency-ms", type=float, default=60_000.0,
+    pa.add_argument("--trials", type=int_range(0, 1_000_000), default=24, help="search trials per criterion (0 = greedy policies only)")
+    pa.add_argument("--ref-latency-ms", type=POSITIVE_MS, default=60_000.0,
                     help="hypervolume reference latency (default 60 s)")
     add_ray_flags(pa)
     pa.add_argument("--out", help="output directory (default: outputs/pareto-<workload>)")

@@ -11,13 +11,14 @@ import json
 import sys
 from pathlib import Path
 
+from lora_opt.cli.common import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float
 from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 
 
 def register(sub) -> None:
     pl = sub.add_parser("place", help="place a workload's adapters on GPUs; vLLM launch commands and a router table")
     pl.add_argument("--workload", required=True, help="workload YAML/JSON (see configs/workloads/)")
-    pl.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
+    pl.add_argument("--gpus", type=GPUS, required=True, help="GPUs in the pool")
     pl.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                     help=f"placement policy (default: {DEFAULT_POLICY})")
     pl.add_argument("--out", help="output directory (default: outputs/placement-<workload>)")
@@ -25,9 +26,9 @@ def register(sub) -> None:
                     help="also write one vllm serve command per GPU (vLLM 0.33 flags) and router.json")
     pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
     pl.add_argument("--surrogate", help="surrogate directory (default: the bundled one for the profile)")
-    pl.add_argument("--margin", type=float, help="greedy-plus: capacity headroom over the expected load (default 0.1)")
-    pl.add_argument("--verify-s", type=float, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
-    pl.add_argument("--ttft-p99-s", type=float, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
+    pl.add_argument("--margin", type=finite_float(0.0, 1.0), help="greedy-plus: capacity headroom over the expected load (default 0.1)")
+    pl.add_argument("--verify-s", type=NONNEGATIVE_S, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
+    pl.add_argument("--ttft-p99-s", type=POSITIVE_S, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
     pl.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
     pl.add_argument("--history", metavar="LOG.csv",
                     help="request log (timestamp_s, adapter, input_tokens, output_tokens): rates are estimated "
@@ -63,7 +64,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
     verdict (or one JSON object); the verdict's exit status."""
     from lora_opt.placement.policies import PlacementContext, get_policy
-    from lora_opt.placement.report import EXIT_INFEASIBLE, EXIT_OK, placement_table, verdict, write_outputs
+    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, verdict,
+                                           write_outputs)
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
@@ -78,6 +80,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     written = []
     if code != EXIT_INFEASIBLE:
         written = write_outputs(p, ctx.profile, out_path, emit_vllm=emit_vllm and code == EXIT_OK, model=model)
+    elif out_path.is_dir():
+        clean_outputs(out_path)          # a previous run's placement must not pass for this one's
     if as_json:
         out.write(json.dumps({"exit": code, "message": message, "files": [str(w) for w in written],
                               **p.to_dict()}) + "\n")

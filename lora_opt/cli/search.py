@@ -2,27 +2,27 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from lora_opt.cli.common import add_ray_flags
+from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, int_range
 from lora_opt.errors import InputError
+from lora_opt.io import atomic_write_json
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
 
 def add_criterion_flags(p: argparse.ArgumentParser) -> None:
     """The feasibility criterion: rho, or SLO targets with an attainment."""
-    p.add_argument("--rho", type=float, help="feasibility: starvation threshold (default: the workload's rho)")
-    p.add_argument("--ttft-slo-ms", type=float, help="feasibility by SLO instead: TTFT target (ms)")
-    p.add_argument("--itl-slo-ms", type=float, help="feasibility by SLO instead: ITL target (ms)")
-    p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment required (default 0.9)")
+    p.add_argument("--rho", type=FRACTION, help="feasibility: starvation threshold (default: the workload's rho)")
+    p.add_argument("--ttft-slo-ms", type=POSITIVE_MS, help="feasibility by SLO instead: TTFT target (ms)")
+    p.add_argument("--itl-slo-ms", type=POSITIVE_MS, help="feasibility by SLO instead: ITL target (ms)")
+    p.add_argument("--attainment", type=FRACTION, default=0.9, help="SLO attainment required (default 0.9)")
 
 
 def register(sub) -> None:
     se = sub.add_parser("search", help="Optuna multi-objective search (GPUs vs latency) over placements, trials on Ray")
     se.add_argument("--workload", required=True, help="workload YAML/JSON")
-    se.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
-    se.add_argument("--trials", type=int, default=64, help="trials in the study, counting resumed ones (default 64)")
+    se.add_argument("--gpus", type=GPUS, required=True, help="GPUs in the pool")
+    se.add_argument("--trials", type=int_range(1, 1_000_000), default=64, help="trials in the study, counting resumed ones (default 64)")
     se.add_argument("--storage", help="Optuna storage URL (default: sqlite:///<out>/study.db; resumes)")
     se.add_argument("--study", help="study name (default: <workload>-<gpus>gpus-<objective>)")
     se.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES),
@@ -31,9 +31,9 @@ def register(sub) -> None:
     se.add_argument("--history", metavar="LOG.csv",
                     help="request log (as for place): rates and search traffic from its first half, the front "
                          "replayed on its second half")
-    se.add_argument("--seed", type=int, default=0, help="sampler seed")
+    se.add_argument("--seed", type=SEED, default=0, help="sampler seed")
     se.add_argument("--no-seeds", action="store_true", help="do not start from the greedy placements")
-    se.add_argument("--timeout-s", type=float, default=600.0, help="a trial running longer is recorded as failed")
+    se.add_argument("--timeout-s", type=POSITIVE_S, default=600.0, help="a trial running longer is recorded as failed")
     se.add_argument("--surrogate", help="surrogate directory for the greedy seeds (default: bundled)")
     add_ray_flags(se, workers_help="parallel trials (1 = serial, no Ray; default: all cores)")
     se.add_argument("--out", help="output directory (default: outputs/search-<workload>)")
@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.workload_file import load_workload
     from lora_opt.search.study import SearchSetup, front_table, replay_front, run_search, traffic_halves
 
+    if args.storage:
+        from lora_opt.search.study import check_storage
+        check_storage(args.storage)
     wl = load_workload(args.workload)
     if args.trials < 1:
         raise InputError(f"--trials: must be >= 1, got {args.trials}")
@@ -69,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
     rows = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
     for r in rows:
         r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
-    (out / "front.json").write_text(json.dumps({"study": res.study_name, "storage": res.storage,
-                                                "criterion": setup.criterion.label, "objective": args.objective,
-                                                "trials": res.trials, "complete": res.complete,
-                                                "failed": res.failed, "wall_s": res.wall_s, "front": rows},
-                                               indent=1, default=str))
+    atomic_write_json(out / "front.json", {"study": res.study_name, "storage": res.storage,
+                                           "criterion": setup.criterion.label, "objective": args.objective,
+                                           "trials": res.trials, "complete": res.complete,
+                                           "failed": res.failed, "wall_s": res.wall_s, "front": rows},
+                      indent=1, default=str)
     print(f"study {res.study_name} in {res.storage}: {res.trials} trials ({res.complete} complete, {res.failed} "
           f"failed{f', {res.resumed_stale} in flight at the last kill marked failed' if res.resumed_stale else ''}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
+
+from lora_opt.cli.common import SEED
+from lora_opt.io import atomic_write_bytes, atomic_write_text
 
 
 def register(sub) -> None:
@@ -13,7 +17,7 @@ def register(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     s.add_argument("--timeseries", metavar="FILE",
                    help="write time, running, waiting, KV usage, loaded adapters (CSV or .parquet)")
-    s.add_argument("--seed", type=int, help="override the scenario's seed")
+    s.add_argument("--seed", type=SEED, help="override the scenario's seed")
     s.add_argument("--early-stop", action="store_true",
                    help="stop as soon as starvation is certain (recorded in stopped_early_s)")
     s.set_defaults(run=run)
@@ -40,7 +44,8 @@ def print_summary(res, sc, out=sys.stdout) -> None:
     w(f"status      ok, {verdict} (throughput {res.throughput_tok_s:,.0f} vs rho x incoming "
       f"{sc.rho} x {res.incoming_token_rate:,.0f} tok/s)\n")
     if res.stopped_early_s is not None:
-        w(f"            stopped early at {res.stopped_early_s:,.0f} s: starvation was certain\n")
+        w(f"            stopped early at {res.stopped_early_s:,.0f} s: starvation was certain; rates below are "
+          f"over the whole {res.throughput_span_s:,.0f} s window (a lower bound of the full run's)\n")
     w(f"requests    {res.completed:,} completed of {res.arrived:,} arrived in {res.duration_s:,.0f} s\n")
     w(f"throughput  {res.throughput_tok_s:,.1f} tok/s  (input {res.input_throughput:,.1f}, "
       f"output {res.output_throughput:,.1f})\n")
@@ -71,12 +76,13 @@ def run(args: argparse.Namespace) -> int:
     if args.timeseries and res.timeseries is not None:
         import pandas as pd  # heavy optional dependency: only with --timeseries
         path = Path(args.timeseries)
-        path.parent.mkdir(parents=True, exist_ok=True)
         df = pd.DataFrame(res.timeseries)
         if path.suffix == ".parquet":
-            df.to_parquet(path, index=False)
+            buf = io.BytesIO()
+            df.to_parquet(buf, index=False)
+            atomic_write_bytes(path, buf.getvalue())       # whole or absent
         else:
-            df.to_csv(path, index=False)
+            atomic_write_text(path, df.to_csv(index=False))
     if args.json:
         print(json.dumps(res.to_dict()))
     else:

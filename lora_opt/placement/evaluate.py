@@ -17,9 +17,10 @@ from tqdm import tqdm
 
 import twin
 from lora_opt.parallel import run_batches
-from lora_opt.placement.plan import Placement
+from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
+from twin.parsing import check_finite
 from twin.scenario import DEFAULT_RHO, scenario_from_dict
 from twin.simulate import weighted_stats
 from twin.workload import Requests, generate_requests
@@ -127,6 +128,9 @@ class Criterion:
     def __post_init__(self):
         if self.rho is None and self.ttft_ms is None and self.itl_ms is None:
             raise ScenarioError("criterion: give rho, a TTFT target or an ITL target")
+        for name in ("rho", "ttft_ms", "itl_ms", "attainment"):      # NaN passes every comparison
+            if getattr(self, name) is not None:
+                check_finite(getattr(self, name), f"criterion.{name}")
         if self.rho is not None and not 0 < self.rho <= 1:
             raise ScenarioError(f"criterion.rho: must be in (0, 1], got {self.rho}")
         if not 0 < self.attainment <= 1:
@@ -201,12 +205,20 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
     criterion = criterion or Criterion(rho=wl.rho)
     if not p.gpus:
         raise ScenarioError("placement: no GPUs to evaluate")
+    T = duration_s or wl.evaluation.duration_s
+    check_finite(grace_s, "evaluate --grace-s", 0.0)
+    if grace_s > T:
+        raise ScenarioError(f"evaluate --grace-s: {grace_s:g} s exceeds the replayed duration {T:g} s "
+                            "(no request would be due and every GPU would pass)")
+    problems = [q for q in placement_problems(p, None, include_startup=False) if "does not exist" in q
+                or "unknown adapter" in q or "weights" in q]
+    if problems:
+        raise ScenarioError("placement: cannot be replayed:\n  - " + "\n  - ".join(problems[:20]))
     ids = [a.id for a in wl.adapters]
     if ids != [a.id for a in p.adapters]:
         raise ScenarioError("placement and workload list different adapters (ids or order); evaluate the "
                             "placement with the workload it was made for")
     mml = min(g.max_model_len for g in p.gpus)
-    T = duration_s or wl.evaluation.duration_s
     req = requests if requests is not None else workload_requests(wl, mml)
     jobs, unrouted, unrouted_tokens = _gpu_jobs(p, wl, req, T, wl.evaluation.seed)
     results: list[dict | None] = [None] * len(jobs)
@@ -286,8 +298,11 @@ def workload_from_placement(p: Placement):
     """A workload for a placement file alone: its adapters, profile and rho; Poisson replay."""
     from lora_opt.placement.workload_file import PlacementEngine, Workload
 
+    if not p.gpus:
+        raise ScenarioError("placement: no GPUs to evaluate")
     g = p.gpus[0]
-    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=float(p.meta.get("rho", DEFAULT_RHO)),
+    # rho as the placement recorded it; with_evaluation / workload_from_dict check it like a workload's
+    return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=p.meta.get("rho", DEFAULT_RHO),
                     engine=PlacementEngine(g.max_num_seqs, g.max_num_batched_tokens, g.gpu_memory_utilization,
                                            g.max_model_len),
                     name=str(p.meta.get("workload", "")))

@@ -9,14 +9,18 @@ the ``--max-lora-rank`` of each GPU it is routed to, and vLLM's memory accountin
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lora_opt.errors import InputError
-from twin.flags import EngineFlags
+from lora_opt.io import atomic_write_json
+from twin.flags import EngineFlags, check_rank
+from twin.parsing import (build_dataclass, check_adapter_id, check_adapter_path, check_finite, check_type,
+                          parse_json_text, read_text_file)
 from twin.profile import VLLM_LORA_RANKS, Profile
+from twin.scenario import MAX_ADAPTERS
 
 
 class PlacementError(InputError):
@@ -97,20 +101,72 @@ class Placement:
                 "routes": {k: [[g, w] for g, w in v] for k, v in self.routes.items()}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Placement:
-        try:
-            return cls(profile=d["profile"], policy=d.get("policy", ""), meta=d.get("meta", {}),
-                       adapters=[Adapter(**a) for a in d["adapters"]], gpus=[GPUConfig(**g) for g in d["gpus"]],
-                       routes={k: [(int(g), float(w)) for g, w in v] for k, v in d["routes"].items()})
-        except (KeyError, TypeError) as exc:
-            raise PlacementError(f"placement: malformed ({exc})") from None
+    def from_dict(cls, d: Any, where: str = "placement") -> Placement:
+        """A placement from its JSON form, every field typed and checked (ids and paths by the
+        launch rule, routes to existing GPUs with finite weights); PlacementError names the field."""
+        if not isinstance(d, dict):
+            raise PlacementError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        unknown = sorted(map(str, set(d) - _PLACEMENT_KEYS))
+        missing = sorted({"profile", "adapters", "gpus", "routes"} - set(d))
+        if unknown or missing:
+            raise PlacementError(f"{where}: malformed ({f'unknown field(s) {unknown}' if unknown else ''}"
+                                 f"{'; ' if unknown and missing else ''}{f'missing {missing}' if missing else ''})")
+        for key, typ in (("adapters", list), ("gpus", list), ("routes", dict), ("meta", dict)):
+            if key in d and not isinstance(d[key], typ):
+                raise PlacementError(f"{where}.{key}: expected a JSON {'array' if typ is list else 'object'}")
+        if len(d["adapters"]) > MAX_ADAPTERS or len(d["gpus"]) > MAX_PLACEMENT_GPUS:
+            raise PlacementError(f"{where}: at most {MAX_ADAPTERS:,} adapters and {MAX_PLACEMENT_GPUS:,} GPUs")
+        adapters = [_adapter(a, f"{where}.adapters[{i}]") for i, a in enumerate(d["adapters"])]
+        gpus = [build_dataclass(GPUConfig, g, f"{where}.gpus[{i}]", PlacementError) for i, g in enumerate(d["gpus"])]
+        routes = {}
+        for aid, rs in d["routes"].items():
+            w = f"{where}.routes[{aid!r:.40}]"
+            if not isinstance(rs, list) or not all(isinstance(r, list) and len(r) == 2 for r in rs):
+                raise PlacementError(f"{w}: expected a list of [gpu, weight] pairs")
+            pairs = []
+            for g, wt in rs:
+                g = check_type(g, "int", f"{w}.gpu", PlacementError)
+                if not 0 <= g < len(gpus):
+                    raise PlacementError(f"{w}: routed to GPU {g}, which does not exist (the placement has "
+                                         f"{len(gpus)} GPUs: 0..{len(gpus) - 1})")
+                pairs.append((g, check_finite(wt, f"{w}.weight", 0.0, 1.0, PlacementError, lo_open=True)))
+            routes[aid] = pairs
+        return cls(profile=check_type(d["profile"], "str", f"{where}.profile", PlacementError),
+                   policy=check_type(d.get("policy", ""), "str", f"{where}.policy", PlacementError),
+                   meta=d.get("meta", {}), adapters=adapters, gpus=gpus, routes=routes)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        atomic_write_json(path, self.to_dict(), indent=2)
 
     @classmethod
     def load(cls, path: str | Path) -> Placement:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A placement file, or a directory holding exactly one ``placement.json`` (the folder
+        ``lora-opt place`` writes); PlacementError names the file and the field."""
+        p = Path(path)
+        if p.is_dir():
+            if not (p / "placement.json").is_file():
+                raise PlacementError(f"{p}: a directory without placement.json; give the placement file "
+                                     "(lora-opt place writes <out>/placement.json)")
+            p = p / "placement.json"
+        # free-form meta may hold NaN (json.dumps writes it); every field that is a number is checked
+        return cls.from_dict(parse_json_text(read_text_file(p, "placement", PlacementError), str(p), PlacementError,
+                                             allow_nan=True), p.name)
+
+
+#: the keys of placement.json
+_PLACEMENT_KEYS = {"profile", "policy", "meta", "adapters", "gpus", "routes"}
+#: the most GPUs a placement may hold
+MAX_PLACEMENT_GPUS = 100_000
+
+
+def _adapter(a: Any, where: str) -> Adapter:
+    ad = build_dataclass(Adapter, a, where, PlacementError)
+    check_adapter_id(ad.id, f"{where}.id", PlacementError)
+    if ad.path is not None:
+        check_adapter_path(ad.path, f"{where}.path", PlacementError)
+    check_rank(ad.rank, f"{where}.rank", PlacementError)
+    check_finite(ad.rate, f"{where}.rate", 0.0, error=PlacementError)
+    return ad
 
 
 def placement_problems(p: Placement, profile: Profile, *, include_startup: bool = True) -> list[str]:

@@ -13,6 +13,7 @@ import json
 
 from lora_opt.placement.plan import Placement
 from twin.errors import ScenarioError
+from twin.parsing import check_adapter_id, check_adapter_path
 from twin.paths import DATA_DIR
 
 SERVE_ARGS = DATA_DIR / "reference" / "vllm_serve_args-0.33.0.json"
@@ -29,6 +30,13 @@ def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1"
     the caller already has them)."""
     g = p.gpus[gpu]
     adapters = p.adapters_on(gpu) if adapters is None else adapters
+    if not model or model.startswith("-") or any(not c.isprintable() for c in model):
+        raise ScenarioError(f"model: {model!r:.80} cannot be a vllm serve argument (empty, a leading '-' or "
+                            "control characters)")
+    for a in adapters:                   # the launch rule, also for placements built in code
+        check_adapter_id(a.id, f"adapter {a.id!r:.40}")
+        if a.path is not None:
+            check_adapter_path(a.path, f"adapter {a.id}.path")
     modules = [f"{a.id}={a.path or f'adapters/{a.id}'}" for a in adapters]
     argv = ["vllm", "serve", model, "--host", host, "--port", str(port),
             "--enable-lora", "--max-loras", str(g.max_loras), "--max-lora-rank", str(g.max_lora_rank),

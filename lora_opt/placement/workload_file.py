@@ -16,6 +16,8 @@ in its profile or evaluation traffic.
 from __future__ import annotations
 
 import dataclasses
+import json
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,11 @@ from lora_opt.errors import InputError
 from lora_opt.placement.plan import Adapter
 from twin.errors import ScenarioError
 from twin.flags import EngineFlagChecks, check_rank
-from twin.parsing import build_dataclass, check_type, read_config_file
+from twin.parsing import (build_dataclass, check_adapter_id, check_adapter_path, check_finite, check_type,
+                          read_config_file)
 from twin.profile import load_profile
-from twin.scenario import (DEFAULT_RHO, ArrivalConfig, LengthConfig, parse_lengths, scenario_dict,
-                           scenario_from_dict)
+from twin.scenario import (DEFAULT_RHO, MAX_ADAPTERS, MAX_DURATION_S, MAX_REQUESTS, ArrivalConfig, LengthConfig,
+                           parse_lengths, scenario_dict, scenario_from_dict)
 from twin.workload import Requests
 
 
@@ -93,17 +96,33 @@ class Workload:
 
 
 _ADAPTER_KEYS = {"id", "rank", "rate", "path"}
+#: the largest expected rate of one adapter (requests/s)
+MAX_RATE = 1e6
 _GROUP_KEYS = {"count", "rank", "rate", "prefix", "path_template"}
 
 
-def _parse_adapter_entry(i: int, entry: Any, where: str) -> list[Adapter]:
+def _path_template(tmpl: str, where: str) -> str:
+    """A group's ``path_template``: ``{id}`` is the only field (``{x}``, ``{0}``, ``{id!r}``, a lone
+    brace are errors), and the path it gives is a safe adapter path."""
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(tmpl) if name is not None]
+    except ValueError as exc:
+        raise InputError(f"{where}: {tmpl!r:.80} is not a valid template ({exc}); use {{id}} for the adapter id "
+                         "and {{{{ }}}} for literal braces") from None
+    bad = [n for n, spec, conv in fields if n != "id" or spec or conv]
+    if bad or not fields:
+        raise InputError(f"{where}: must contain '{{id}}' and no other field, got {tmpl!r:.80}")
+    return tmpl
+
+
+def _parse_adapter_entry(i: int, entry: Any, where: str, budget: int) -> list[Adapter]:
     w = f"{where}[{i}]"
     if not isinstance(entry, dict):
         raise InputError(f"{w}: expected a mapping {{id, rank, rate[, path]}} or a group "
-                         f"{{count, rank, rate[, prefix, path_template]}}, got {entry!r}")
+                         f"{{count, rank, rate[, prefix, path_template]}}, got {entry!r:.80}")
     group = "count" in entry
     allowed = _GROUP_KEYS if group else _ADAPTER_KEYS
-    unknown = sorted(set(entry) - allowed)
+    unknown = sorted(map(str, set(entry) - allowed))
     if unknown:
         raise InputError(f"{w}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
     for req in ("rank", "rate") + (("count",) if group else ("id",)):
@@ -112,22 +131,25 @@ def _parse_adapter_entry(i: int, entry: Any, where: str) -> list[Adapter]:
     rank = check_type(entry["rank"], "int", f"{w}.rank", InputError)
     check_rank(rank, f"{w}.rank", InputError)
     rate = check_type(entry["rate"], "float", f"{w}.rate", InputError)
-    if rate < 0:
-        raise InputError(f"{w}.rate: must be >= 0 requests/s, got {rate}")
+    check_finite(rate, f"{w}.rate", 0.0, MAX_RATE, InputError)
     if not group:
-        aid = check_type(entry["id"], "str", f"{w}.id", InputError)
-        if not aid or any(c.isspace() for c in aid) or "=" in aid:
-            raise InputError(f"{w}.id: {aid!r} must be non-empty without spaces or '=' "
-                             "(it becomes --lora-modules id=path)")
+        aid = check_adapter_id(check_type(entry["id"], "str", f"{w}.id", InputError), f"{w}.id", InputError)
         path = check_type(entry.get("path"), "str | None", f"{w}.path", InputError)
+        if path is not None:
+            check_adapter_path(path, f"{w}.path", InputError)
         return [Adapter(aid, rank, rate, path)]
     count = check_type(entry["count"], "int", f"{w}.count", InputError)
     if count < 1:
         raise InputError(f"{w}.count: must be >= 1, got {count}")
+    if count > budget:
+        raise InputError(f"{w}.count: {count:,} adapters exceed the limit of {MAX_ADAPTERS:,} adapters in a "
+                         "workload (groups summed)")
     prefix = check_type(entry.get("prefix", f"g{i}-"), "str", f"{w}.prefix", InputError)
+    check_adapter_id(f"{prefix}0", f"{w}.prefix", InputError)    # the ids are prefix + a number
     tmpl = check_type(entry.get("path_template"), "str | None", f"{w}.path_template", InputError)
-    if tmpl is not None and "{id}" not in tmpl:
-        raise InputError(f"{w}.path_template: must contain '{{id}}', got {tmpl!r}")
+    if tmpl is not None:
+        check_adapter_path(_path_template(tmpl, f"{w}.path_template").format(id=f"{prefix}0"),
+                           f"{w}.path_template", InputError)
     return [Adapter(f"{prefix}{k}", rank, rate, tmpl.format(id=f"{prefix}{k}") if tmpl else None)
             for k in range(count)]
 
@@ -136,8 +158,8 @@ def _parse_evaluation(value: Any, where: str) -> EvaluationConfig:
     ev = build_dataclass(EvaluationConfig, value, where, InputError,
                          arrivals=lambda v, w: build_dataclass(ArrivalConfig, v, w, InputError),
                          lengths=lambda v, w: parse_lengths(v, w, InputError))
-    if not ev.duration_s > 0:
-        raise InputError(f"{where}.duration_s: must be > 0, got {ev.duration_s}")
+    if not 0 < ev.duration_s <= MAX_DURATION_S:
+        raise InputError(f"{where}.duration_s: must be in (0, {MAX_DURATION_S:g}] s, got {ev.duration_s:g}")
     if ev.seed < 0:
         raise InputError(f"{where}.seed: must be >= 0, got {ev.seed}")
     return ev
@@ -148,7 +170,7 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
     if not isinstance(data, dict):
         raise InputError(f"{where}: expected a mapping at the top level")
     allowed = {"profile", "adapters", "rho", "engine", "evaluation", "name", "meta"}
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(map(str, set(data) - allowed))
     if unknown:
         raise InputError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
     if "profile" not in data:
@@ -157,9 +179,11 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
     entries = data.get("adapters")
     if not isinstance(entries, list) or not entries:
         raise InputError(f"{where}.adapters: at least one adapter or group is required")
+    if len(entries) > MAX_ADAPTERS:
+        raise InputError(f"{where}.adapters: {len(entries):,} entries exceed the limit of {MAX_ADAPTERS:,}")
     adapters: list[Adapter] = []
     for i, e in enumerate(entries):
-        adapters += _parse_adapter_entry(i, e, f"{where}.adapters")
+        adapters += _parse_adapter_entry(i, e, f"{where}.adapters", MAX_ADAPTERS - len(adapters))
     seen: set[str] = set()
     for a in adapters:
         if a.id in seen:
@@ -171,11 +195,23 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
     engine = build_dataclass(PlacementEngine, data.get("engine") or {}, f"{where}.engine", InputError)
     engine.validate(f"{where}.engine", InputError)
     ev = _parse_evaluation(data.get("evaluation") or {}, f"{where}.evaluation")
+    expected = ev.duration_s * sum(a.rate for a in adapters)
+    if expected > MAX_REQUESTS:
+        raise InputError(f"{where}.evaluation.duration_s: expected requests {expected:,.4g} (duration_s "
+                         f"{ev.duration_s:g} x total rate) exceed the limit of {MAX_REQUESTS:,}")
     meta = data.get("meta") or {}
     if not isinstance(meta, dict):
         raise InputError(f"{where}.meta: expected a mapping")
+    try:                       # free-form, but copied into placement.json: plain finite JSON data only
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{where}.meta: must be plain JSON data (strings, finite numbers, lists, mappings): "
+                         f"{exc}") from None
+    name = check_type(data.get("name", ""), "str", f"{where}.name", InputError)
+    if name and (check_adapter_id(name, f"{where}.name", InputError) and ("/" in name or "\\" in name)):
+        raise InputError(f"{where}.name: {name!r:.80} must not contain '/' (it names output directories)")
     wl = Workload(profile=profile, adapters=tuple(adapters), rho=rho, engine=engine, evaluation=ev,
-                  name=check_type(data.get("name", ""), "str", f"{where}.name", InputError), meta=meta)
+                  name=name, meta=meta)
     # the profile must exist and the evaluation traffic must make a valid scenario: the twin's
     # verdicts, reported as the workload file's fault
     try:
@@ -228,10 +264,15 @@ def load_request_log(wl: Workload, path: str | Path):
     p = Path(path)
     if not p.exists():
         raise InputError(f"request log not found: {p}")
+    if not p.is_file():
+        raise InputError(f"request log {p}: not a file")
     try:
-        df = pd.read_csv(p)
+        df = pd.read_csv(p, dtype={"adapter": str}, keep_default_na=False, nrows=MAX_LOG_REQUESTS + 1,
+                         encoding="utf-8")
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
-        raise InputError(f"request log {p}: cannot be read as CSV: {exc}") from None
+        raise InputError(f"request log {p}: cannot be read as CSV: {str(exc)[:200]}") from None
+    if len(df) > MAX_LOG_REQUESTS:
+        raise InputError(f"request log {p}: more than {MAX_LOG_REQUESTS:,} requests (the limit)")
     tcol = "timestamp_s" if "timestamp_s" in df.columns else ("timestamp" if "timestamp" in df.columns else None)
     missing = [c for c in ("adapter", "input_tokens", "output_tokens") if c not in df.columns]
     if tcol is None or missing:
@@ -239,32 +280,62 @@ def load_request_log(wl: Workload, path: str | Path):
                          f"output_tokens; missing {missing + ([] if tcol else ['timestamp_s'])}")
     if len(df) == 0:
         raise InputError(f"request log {p}: no requests")
-    t = (pd.to_datetime(df[tcol], errors="coerce") if tcol == "timestamp"
-         else pd.to_numeric(df[tcol], errors="coerce"))
-    if t.isna().any():
-        row = int(np.flatnonzero(t.isna().to_numpy())[0])
-        raise InputError(f"request log {p} line {row + 2}: bad {tcol} value {df[tcol].iloc[row]!r}")
-    t = ((t - t.min()).dt.total_seconds() if tcol == "timestamp" else t - t.min()).to_numpy(float)
+    t = _log_times(df[tcol], tcol, p)
     index = {a.id: k for k, a in enumerate(wl.adapters)}
     ids = df["adapter"].astype(str)
     unknown = sorted(set(ids) - set(index))
     if unknown:
-        raise InputError(f"request log {p}: adapter(s) not in the workload: {', '.join(unknown[:5])}"
+        raise InputError(f"request log {p}: adapter(s) not in the workload: {', '.join(repr(u)[1:-1][:60] for u in unknown[:5])}"
                          f"{' ...' if len(unknown) > 5 else ''}")
-    ins = pd.to_numeric(df["input_tokens"], errors="coerce")
-    outs = pd.to_numeric(df["output_tokens"], errors="coerce")
-    bad = ins.isna() | outs.isna() | (ins < 1) | (outs < 1)
-    if bad.any():
-        row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(f"request log {p} line {row + 2}: input_tokens and output_tokens must be integers >= 1")
+    max_len = wl.engine.max_model_len or load_profile(wl.profile).model.max_model_len
+    ins, outs = (_log_tokens(df[c], c, p, max_len) for c in ("input_tokens", "output_tokens"))
     span = float(t.max()) if t.max() > 0 else 1.0
     adapter = ids.map(index).to_numpy(np.int64)
     order = np.argsort(t, kind="stable")
     adapters = _rates_from_requests(wl, adapter, span)
     req = Requests(arrival=np.ascontiguousarray(t[order]), adapter=adapter[order].astype(np.int32),
-                   in_len=ins.to_numpy(np.int32)[order], out_len=outs.to_numpy(np.int32)[order])
+                   in_len=ins[order].astype(np.int32), out_len=outs[order].astype(np.int32))
     meta = {**wl.meta, "rates_from_log": str(p), "log_requests": int(len(df)), "log_span_s": span}
     return dataclasses.replace(wl, adapters=adapters, meta=meta), req, span
+
+
+#: the most requests a request log may hold (~1 GB read), and the longest span it may cover (s, ~3.2 years)
+MAX_LOG_REQUESTS = 10_000_000
+MAX_LOG_SPAN_S = 1e8
+
+
+def _log_times(col, tcol: str, p: Path) -> np.ndarray:
+    """Seconds from the log's first request; every value finite, the span bounded."""
+    import pandas as pd  # heavy optional dependency: only reading a request log needs it
+
+    if tcol == "timestamp":
+        t = pd.to_datetime(col, errors="coerce", utc=True)
+    else:
+        t = pd.to_numeric(col, errors="coerce")
+        t = t.where(np.isfinite(t.to_numpy(float, na_value=np.nan)))
+    if t.isna().any():
+        row = int(np.flatnonzero(t.isna().to_numpy())[0])
+        raise InputError(f"request log {p} line {row + 2}: bad {tcol} value {str(col.iloc[row])[:60]!r} "
+                         f"({'a date-time' if tcol == 'timestamp' else 'a finite number of seconds'} expected)")
+    t = ((t - t.min()).dt.total_seconds() if tcol == "timestamp" else t - t.min()).to_numpy(float)
+    if not np.isfinite(t).all() or t.max() > MAX_LOG_SPAN_S:
+        row = int(np.argmax(np.where(np.isfinite(t), t, np.inf)))
+        raise InputError(f"request log {p} line {row + 2}: {tcol} spans {t.max():g} s from the first request; "
+                         f"at most {MAX_LOG_SPAN_S:g} s")
+    return t
+
+
+def _log_tokens(col, name: str, p: Path, max_len: int) -> np.ndarray:
+    """A token column as int64: whole numbers in 1..max_model_len (no 32-bit wrap-around)."""
+    import pandas as pd  # heavy optional dependency: only reading a request log needs it
+
+    x = pd.to_numeric(col, errors="coerce").to_numpy(float, na_value=np.nan)
+    bad = ~np.isfinite(x) | (x < 1) | (x > max_len) | (x != np.floor(x))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InputError(f"request log {p} line {row + 2}: {name} must be an integer in 1..{max_len:,} "
+                         f"(max_model_len), got {str(col.iloc[row])[:40]!r}")
+    return x.astype(np.int64)
 
 
 def split_request_log(wl: Workload, req, span: float):

@@ -9,7 +9,6 @@ worst point decide everything.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from lora_opt.io import atomic_write_json, atomic_write_text
 from lora_opt.placement.evaluate import Criterion, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
@@ -167,8 +167,8 @@ def report_md(result: dict, title: str, command: str) -> str:
 
 def write_outputs(result: dict, out: Path, title: str, command: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pareto.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "report.md").write_text(report_md(result, title, command))
+    atomic_write_json(out / "pareto.json", result, indent=1, default=str)
+    atomic_write_text(out / "report.md", report_md(result, title, command))
     plot_fronts(result, out / "pareto_front.png")
     return [out / "pareto.json", out / "report.md", out / "pareto_front.png"]
 

@@ -231,6 +231,19 @@ def seed_placements(setup: SearchSetup, ctx: PlacementContext, rhos=(0.7, 0.8, 0
     return out
 
 
+def check_storage(storage: str) -> None:
+    """A storage URL Optuna can open (a SQLAlchemy URL whose database driver is installed);
+    ScenarioError naming ``--storage`` otherwise."""
+    from sqlalchemy.engine import make_url  # comes with optuna
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(storage).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError, ImportError) as exc:
+        raise ScenarioError(f"--storage: {storage!r:.100} is not a database URL Optuna can open "
+                            f"(e.g. sqlite:///study.db, postgresql://...): {str(exc)[:120]}") from None
+
+
 def open_storage(storage: str, attempts: int = 5):
     """Optuna storage for `storage`. SQLite: readers of a running study (optuna-dashboard, a
     second `search`, a poller) hold locks, so wait up to 60 s for them rather than fail on
@@ -240,6 +253,7 @@ def open_storage(storage: str, attempts: int = 5):
     import optuna  # heavy optional dependency: only when a study runs
     from sqlalchemy.exc import IntegrityError, OperationalError  # comes with optuna
 
+    check_storage(storage)
     if not storage.startswith("sqlite:"):
         return storage
     for attempt in range(attempts):

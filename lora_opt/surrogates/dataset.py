@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
+import math
 import os
 import random
 import time
@@ -23,17 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm import tqdm
 
 import twin
+from lora_opt.io import atomic_write_bytes, atomic_write_json
 from lora_opt.parallel import run_batches, simulate_dict
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, gpu_features
 from lora_opt.tracking import tracked_run
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
+from twin.parsing import build_dataclass, check_choice, check_finite, check_type, read_config_file
 from twin.profile import VLLM_LORA_RANKS, load_profile
-from twin.scenario import DEFAULT_RHO, scenario_dict
+from twin.scenario import DEFAULT_RHO, LENGTH_SOURCES, MAX_DURATION_S, EngineConfig, scenario_dict
 
 GRIDS_DIR = REPO_ROOT / "configs" / "grids"
 METRICS_FLAT = {  # result key -> column(s)
@@ -81,9 +84,19 @@ class Grid:
     [lo, hi] tok/s, before sampling -- to put training points where the uniform grid is thin
     (near a GPU's saturation, or at very low load)."""
 
-    def points(self) -> list[dict]:
-        """The grid's points in a fixed order (point id = index), or the seeded sample of them."""
-        out = self._all_points()
+    def points(self, limit: int | None = None) -> list[dict]:
+        """The grid's points in a fixed order (point id = index), or the seeded sample of them;
+        ``limit``: only the first ``limit`` (without a filter, expanding only those).  A grid of
+        more than :data:`MAX_GRID_POINTS` points must be filtered or limited: it is refused before
+        a point is expanded."""
+        n = self.size()
+        filtered = self.workloads is not None or self.load_band is not None or self.sample is not None
+        if not filtered and limit is not None:
+            return list(itertools.islice(self._iter_points(), limit))
+        if n > MAX_GRID_POINTS:
+            raise ScenarioError(f"grid: {n:,} points; at most {MAX_GRID_POINTS:,} are expanded"
+                                + ("" if filtered else " (use --limit, or sample:)"))
+        out = list(self._iter_points())
         if self.workloads is not None:
             keys = sorted({(tuple(p["ranks"]), tuple(p["rates"])) for p in out})
             keep_keys = set(random.Random(self.seed).sample(keys, min(self.workloads, len(keys))))
@@ -96,10 +109,15 @@ class Grid:
         if self.sample is not None and self.sample < len(out):
             keep = sorted(random.Random(self.seed).sample(range(len(out)), self.sample))
             out = [out[i] for i in keep]
-        return out
+        return out if limit is None else out[:limit]
 
-    def _all_points(self) -> list[dict]:
-        out = []
+    def size(self) -> int:
+        """Points of the whole grid (before sampling), counted without expanding it."""
+        pairs = sum(1 for n in self.served if n >= self.groups for a in self.max_loras if a <= n)
+        return (math.comb(len(self.ranks) + self.groups - 1, self.groups)
+                * math.comb(len(self.rates) + self.groups - 1, self.groups) * pairs)
+
+    def _iter_points(self):
         for ranks in itertools.combinations_with_replacement(sorted(self.ranks), self.groups):
             for rates in itertools.combinations_with_replacement(sorted(self.rates, reverse=True), self.groups):
                 for n in sorted(self.served):
@@ -107,11 +125,78 @@ class Grid:
                         continue
                     for a in sorted(self.max_loras):
                         if a <= n:
-                            out.append({"ranks": list(ranks), "rates": list(rates), "n": n, "max_loras": a})
-        return out
+                            yield {"ranks": list(ranks), "rates": list(rates), "n": n, "max_loras": a}
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: the most grid points expanded at once (a point is ~0.5 kB in memory); larger grids need a
+#: ``--limit`` (expanded lazily) or a ``sample:``/``workloads:``/``load_band:`` filter of a grid this size
+MAX_GRID_POINTS = 1_000_000
+#: the most adapter groups of a grid point, and the largest served count / A_max
+MAX_GRID_GROUPS = 64
+MAX_GRID_SERVED = 100_000
+
+
+def _grid_list(data: dict, key: str, typ: str, where: str, lo: float, hi: float) -> tuple:
+    v = data[key]
+    if not isinstance(v, list) or not v:
+        raise ScenarioError(f"{where}.{key}: expected a non-empty list, got {v!r:.80}")
+    if len(v) > 1000:
+        raise ScenarioError(f"{where}.{key}: {len(v)} values; at most 1000")
+    out = tuple(check_type(x, typ, f"{where}.{key}[{i}]") for i, x in enumerate(v))
+    for i, x in enumerate(out):
+        check_finite(x, f"{where}.{key}[{i}]", lo, hi)
+    return out
+
+
+def _check_grid_fields(data: dict, where: str) -> dict:
+    """The grid file's fields, typed and range-checked (errors name ``where.field``)."""
+    if data.get("load_band") is not None:
+        lb = data["load_band"]
+        if not (isinstance(lb, list) and len(lb) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                              for x in lb)
+                and all(math.isfinite(x) for x in lb) and 0 <= lb[0] <= lb[1]):
+            raise ScenarioError(f"{where}.load_band: expected [lo, hi] tok/s with 0 <= lo <= hi, got {lb!r:.80}")
+        data["load_band"] = (float(lb[0]), float(lb[1]))
+    limits = {"ranks": ("int", 1, max(VLLM_LORA_RANKS)), "rates": ("float", 1e-9, 1e6),
+              "served": ("int", 1, MAX_GRID_SERVED), "max_loras": ("int", 1, MAX_GRID_SERVED)}
+    for k, (typ, lo, hi) in limits.items():
+        if k in data:
+            try:
+                data[k] = _grid_list(data, k, typ, where, lo, hi)
+            except ScenarioError as exc:
+                if k == "rates" and "must be >=" in str(exc):
+                    raise ScenarioError(f"{exc} (every rate must be > 0)") from None
+                raise
+    scalars = {"groups": ("int", 1, MAX_GRID_GROUPS), "duration_s": ("float", 1e-3, MAX_DURATION_S),
+               "rho": ("float", 1e-9, 1.0), "seed": ("int", 0, 2**31 - 1), "shard_size": ("int", 1, 1_000_000)}
+    for k, (typ, lo, hi) in scalars.items():
+        if k in data:
+            data[k] = check_type(data[k], typ, f"{where}.{k}")
+            check_finite(data[k], f"{where}.{k}", lo, hi)
+    for k in ("sample", "workloads"):
+        v = data.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ScenarioError(f"{where}.{k}: must be an integer >= 1 (or omitted for the whole grid), got {v!r:.80}")
+    if "early_stop" in data:
+        data["early_stop"] = check_type(data["early_stop"], "bool", f"{where}.early_stop")
+    if "lengths" in data:
+        check_choice(check_type(data["lengths"], "str", f"{where}.lengths"),
+                     [s for s in LENGTH_SOURCES if s not in ("normal", "trace")], f"{where}.lengths")
+    if "engine" in data:
+        eng = data["engine"]
+        if not isinstance(eng, dict):
+            raise ScenarioError(f"{where}.engine: expected a mapping of engine flags, got {eng!r:.80}")
+        fixed = {"max_loras", "max_lora_rank", "max_cpu_loras"}
+        bad = sorted(map(str, set(eng) & fixed))
+        if bad:
+            raise ScenarioError(f"{where}.engine: {bad} come from each grid point; leave them out")
+        flags = build_dataclass(EngineConfig, eng, f"{where}.engine")
+        flags.validate(f"{where}.engine")
+        data["engine"] = {k: getattr(flags, k) for k in eng}
+    return data
 
 
 def load_grid(path: str | Path) -> tuple[str | None, Grid]:
@@ -122,35 +207,17 @@ def load_grid(path: str | Path) -> tuple[str | None, Grid]:
     if not p.exists():
         raise ScenarioError(f"grid file not found: {path} (bundled grids: "
                             f"{sorted(f.stem for f in GRIDS_DIR.glob('*.yaml'))})")
-    data = yaml.safe_load(p.read_text()) or {}
+    data = read_config_file(p, "grid") or {}
     if not isinstance(data, dict):
         raise ScenarioError(f"{p}: expected a mapping")
     profile = data.pop("profile", None)
+    if profile is not None:
+        profile = check_type(profile, "str", f"{p}.profile")
     names = {f.name for f in dataclasses.fields(Grid)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(map(str, set(data) - names))
     if unknown:
         raise ScenarioError(f"{p}: unknown field(s) {unknown}; allowed: {sorted(names | {'profile'})}")
-    if data.get("load_band") is not None:
-        lb = data["load_band"]
-        if not (isinstance(lb, list) and len(lb) == 2 and all(isinstance(x, (int, float)) for x in lb) and 0 <= lb[0] <= lb[1]):
-            raise ScenarioError(f"{p}.load_band: expected [lo, hi] tok/s with 0 <= lo <= hi, got {lb!r}")
-        data["load_band"] = (float(lb[0]), float(lb[1]))
-    for k in ("ranks", "rates", "served", "max_loras"):
-        if k in data:
-            if not isinstance(data[k], list) or not data[k]:
-                raise ScenarioError(f"{p}.{k}: expected a non-empty list")
-            data[k] = tuple(data[k])
-    grid = Grid(**data)
-    bad = [r for r in grid.ranks if not 1 <= r <= max(VLLM_LORA_RANKS)]
-    if bad:
-        raise ScenarioError(f"{p}.ranks: {bad} outside 1..{max(VLLM_LORA_RANKS)}")
-    if any(r <= 0 for r in grid.rates):
-        raise ScenarioError(f"{p}.rates: every rate must be > 0")
-    if grid.groups < 1 or grid.shard_size < 1:
-        raise ScenarioError(f"{p}: groups and shard_size must be >= 1")
-    if grid.workloads is not None and (isinstance(grid.workloads, bool) or not isinstance(grid.workloads, int)
-                                       or grid.workloads < 1):
-        raise ScenarioError(f"{p}.workloads: must be an integer >= 1 (or omitted for every workload)")
+    grid = Grid(**_check_grid_fields(data, str(p)))
     if grid.sample is not None and grid.sample < 1:
         raise ScenarioError(f"{p}.sample: must be >= 1 (or omitted for the whole grid)")
     return profile, grid
@@ -250,11 +317,23 @@ def _shard_complete(path: Path, expected_ids: list[int]) -> bool:
 def _write_shard(path: Path, rows: list[dict]) -> None:
     import pandas as pd  # heavy optional dependency: only when writing shards
 
-    tmp = path.with_suffix(".parquet.tmp")
-    pd.DataFrame(rows).to_parquet(tmp, index=False)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)                 # atomic: a shard is complete or absent
+    buf = io.BytesIO()
+    pd.DataFrame(rows).to_parquet(buf, index=False)
+    # atomic, with a temporary name unique to this writer: a shard is complete or absent, and two
+    # writers of one directory never share a temporary file (both write identical rows)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Temporary shard files of writers that died (``kill -9``) before renaming them."""
+    for f in out.glob(".shard-*.tmp"):
+        try:
+            pid = int(f.name.split(".")[3])
+            os.kill(pid, 0)                # still running: its file, leave it
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue
 
 
 def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, workers: int | None = None,
@@ -268,21 +347,24 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     prof_name, prof_hash = _profile_info(profile)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    points = grid.points()
-    if limit is not None:
-        points = points[:limit]
+    _remove_stale_temporaries(out)
+    if limit is not None and limit < 1:
+        raise ScenarioError(f"dataset --limit: must be >= 1, got {limit}")
+    points = grid.points(limit)
     manifest = {"grid": dataclasses.asdict(grid), "grid_hash": grid.hash(), "profile": prof_name,
                 "profile_hash": prof_hash, "twin_version": twin_version(), "n_points": len(points),
                 "shard_size": grid.shard_size}
     mpath = out / "manifest.json"
     if mpath.exists():
-        old = json.loads(mpath.read_text())
+        old = read_config_file(mpath, "dataset manifest")
+        if not isinstance(old, dict):
+            raise ScenarioError(f"dataset: {mpath} is not a dataset manifest; use another --out directory")
         for k in ("grid_hash", "profile_hash", "twin_version", "n_points"):
             if old.get(k) != manifest[k]:
                 raise ScenarioError(f"dataset: {out} holds a dataset with a different {k} "
                                     f"({old.get(k)} != {manifest[k]}); use another --out directory")
     else:
-        mpath.write_text(json.dumps(manifest, indent=2))
+        atomic_write_json(mpath, manifest, indent=2)
     n_shards = (len(points) + grid.shard_size - 1) // grid.shard_size
     todo, done_points = [], 0
     for i in range(n_shards):
@@ -309,7 +391,8 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     summary = {"out": str(out), "rows": len(points), "rows_labelled_now": labelled, "rows_resumed": done_points,
                "shards": n_shards, "wall_s": wall, "rows_per_s": labelled / wall if wall > 0 else float("nan"),
                "dataset_hash": dataset_hash(out), **{k: manifest[k] for k in ("grid_hash", "profile", "twin_version")}}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
+    _remove_stale_temporaries(out)
     if track:
         import mlflow  # heavy optional dependency: only when tracking
 

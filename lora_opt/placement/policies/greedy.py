@@ -59,6 +59,7 @@ from lora_opt.placement.policies.packing import max_loras_that_start, priority_o
 from lora_opt.placement.workload_file import IDLE_RATE, Workload
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
 from twin.errors import ScenarioError
+from twin.parsing import check_finite
 from twin.scenario import build_scenario
 from twin.workload import Requests
 
@@ -231,6 +232,9 @@ class GreedyPlus(_GreedyBase):
         self.criterion = criterion
         #: a progress bar (stderr) over the adapters placed: twin verification takes seconds
         self.progress = progress
+        for name, value in (("margin", margin), ("verify_s", verify_s), ("ttft_p99_s", ttft_p99_s)):
+            if value is not None:             # NaN passes every comparison below
+                check_finite(value, name)
         if not 0 <= margin <= 1:
             raise ScenarioError(f"margin: must be in [0, 1], got {margin}")
         if verify_s < 0:

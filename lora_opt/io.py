@@ -1,0 +1,66 @@
+"""Writing output files whole or not at all: every file lora-opt writes goes through here.
+
+:func:`atomic_write_bytes` writes to a temporary file in the same directory, named uniquely per
+process and call (``.<name>.<pid>.<random>.tmp``), flushes and fsyncs it, then renames it over the
+target: a reader (or a crash, ``kill -9`` included) sees the old file or the new one, never a torn
+one, and two writers never share a temporary name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lora_opt.errors import InputError
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename); ``mode``: chmod bits.
+    A path that cannot be written (a directory, no permission, disk full) is an ``InputError``
+    naming it; the old file, if any, is left as it was."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> Path:
+    """:func:`atomic_write_bytes` of UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1, default=None,
+                      allow_nan: bool = True) -> Path:
+    """:func:`atomic_write_bytes` of ``obj`` as JSON."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, default=default, allow_nan=allow_nan))
