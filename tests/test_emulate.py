@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import small_scenario
+from conftest import small_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,6 +23,7 @@ append requests and abort them between steps, never during one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import time
 from collections import deque
@@ -34,7 +35,7 @@ from twin.engine import DONE, STEPPED, step
 from twin.engine_online import abort_request, first_times, gauges, lora_usage, step_outputs
 from twin.engine_state import add_request
 from twin.profile import Profile
-from twin.scenario import AdapterGroup, Scenario, replace
+from twin.scenario import AdapterGroup, Scenario
 from twin.simulate import engine_state
 from twin.workload import Requests, draw_lengths
 
@@ -56,8 +57,11 @@ def online_scenario(sc: Scenario) -> Scenario:
     adapters' start-up residency is vLLM's), a session-long window, no early stop and no time
     series."""
     base = AdapterGroup(rank=min(g.rank for g in sc.adapters), rate=1.0, id=BASE_ID)
-    return replace(sc, adapters=(base, *sc.adapters), duration_s=SESSION_S, early_stop=False,
-                   timeseries_interval_s=SESSION_S)
+    # dataclasses.replace, not twin.scenario.replace: the user's scenario was validated when it was
+    # built; this session-long window draws no requests from the rates (they come over HTTP), so the
+    # size limits on a window's drawn requests (twin.scenario.check_sizes) do not apply to it
+    return dataclasses.replace(sc, adapters=(base, *sc.adapters), duration_s=SESSION_S, early_stop=False,
+                               timeseries_interval_s=SESSION_S)
 
 
 @dataclass(eq=False)
