@@ -34,7 +34,9 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type_
 
     def body(self) -> dict:
-        return {"object": "error", "message": self.message, "type": self.type, "param": None, "code": self.status}
+        # vLLM 0.33's ErrorResponse (the launch commands' version): the OpenAI envelope with the HTTP
+        # status as an int code (vLLM <= 0.8 answered the flat {"object": "error", ...} form)
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.status}}
 
 
 def bad(message: str) -> APIError:
