@@ -244,10 +244,12 @@ class TaskPool:
         if self.serial:
             t0 = time.perf_counter()
             try:
-                self._done.append((key, self.fn(*args)))
+                out = self.fn(*args)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller as the result
-                self._done.append((key, exc))
-            self._ran, self._ran_s = self._ran + 1, self._ran_s + time.perf_counter() - t0
+                out = exc
+            took = time.perf_counter() - t0
+            self._done.append((key, out, took))
+            self._ran, self._ran_s = self._ran + 1, self._ran_s + took
             if self._auto and ray_pays_off(self._tasks - self._ran, self._ran_s / self._ran, self._workers):
                 self._auto = False
                 self._start_ray(f"above the Ray threshold ({self._ran} of {self._tasks} tasks ran here, timed)")
@@ -257,8 +259,11 @@ class TaskPool:
 
     def next_done(self, timeout_s: float | None = None):
         """(key, result or exception) of a finished task; blocks until one finishes."""
-        if self._done:
-            return self._done.popleft()
+        if self._done:        # inline: a task is not cut short, but one that ran too long fails as on Ray
+            key, out, took = self._done.popleft()
+            if timeout_s is not None and took > timeout_s:
+                return key, TimeoutError(f"task ran longer than {timeout_s:g} s")
+            return key, out
         import ray  # heavy optional dependency: only when tasks go to Ray
         while True:
             ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)

@@ -83,3 +83,12 @@ def test_evaluate_same_numbers_serial_default_and_ray(workers):
     p = Placement(P, list(wl.adapters), [cfg] * 3, routes, "manual", {"rho": 0.9})
     assert evaluate_placement(p, wl, workers=workers, progress=False) == evaluate_placement(p, wl, workers=2,
                                                                                            progress=False)
+
+
+def test_inline_task_longer_than_the_timeout_fails_as_on_ray():
+    pool = TaskPool(idle_task, workers=1)
+    pool.submit("slow", 0.05)
+    pool.submit("quick", 0.0)
+    key, res = pool.next_done(timeout_s=0.01)
+    assert key == "slow" and isinstance(res, TimeoutError)
+    assert pool.next_done(timeout_s=0.01) == ("quick", 0.0)
