@@ -13,6 +13,8 @@ Saturated scenarios are run again with ``early_stop`` to show what stopping cert
 ``dataset`` (``bench_dataset``): rows/s of labelling a grid sample with 1 and 2 workers.
 ``place`` (``bench_place``): wall time of the placement policies, up to 100,000 adapters.
 ``search`` (``bench_search``): parallel efficiency of search trials on Ray.
+``ray`` (``bench_ray``): Ray's start-up and per-task overhead, from which the fan-out's
+serial-or-Ray threshold (``lora_opt.parallel.RAY_STARTUP_S``, ``RAY_TASK_S``) is set.
 """
 from __future__ import annotations
 
@@ -270,4 +272,66 @@ def bench_search(out: str | None = None, trials: int = 48, seed: int = 0) -> int
           f"1 worker {t1:.1f} s, 2 workers {t2:.1f} s -> speed-up {t1 / t2:.2f}x, parallel efficiency {eff:.0%} "
           f"(target >= 80 %)")
     _dump(out, row)
+    return 0
+
+
+_RAY_CHILD = r"""
+import json, os, time
+from lora_opt.parallel import idle_task, init_ray, simulate_dict
+sc = json.loads(os.environ["LORA_OPT_BENCH_SCENARIO"])
+t0 = time.perf_counter()
+import ray
+t_import = time.perf_counter() - t0
+simulate_dict(sc)                                   # the driver's kernel load, not timed
+t = time.perf_counter(); simulate_dict(sc); sim_s = time.perf_counter() - t
+cpus = os.cpu_count() or 1
+t = time.perf_counter()
+init_ray(None, None)
+t_init = time.perf_counter() - t
+sim = ray.remote(num_cpus=1)(simulate_dict)
+ray.get([sim.remote(sc) for _ in range(cpus)])      # fresh workers: imports, kernel load, one simulation
+t_first = time.perf_counter() - t
+idle = ray.remote(num_cpus=1)(idle_task)
+ray.get([idle.remote(0.0) for _ in range(cpus)])
+n = 400
+t = time.perf_counter(); ray.get([idle.remote(0.0) for _ in range(n)]); t_tasks = time.perf_counter() - t
+t = time.perf_counter(); ray.shutdown(); t_down = time.perf_counter() - t
+print(json.dumps({"import_ray_s": t_import, "init_s": t_init, "first_tasks_s": t_first - t_init - sim_s,
+                  "shutdown_s": t_down, "startup_s": t_import + t_first - sim_s + t_down, "tiny_sim_s": sim_s,
+                  "task_s": t_tasks * cpus / n, "cpus": cpus}))
+"""
+
+
+def bench_ray(out: str | None = None, repeats: int = 3) -> int:
+    """Ray's start-up (``import ray``, ``ray.init``, the first task on every fresh worker -- imports,
+    Numba kernel load; a tiny simulation's own time subtracted -- and ``ray.shutdown``, which a
+    command pays on exit) and its overhead per task once warm (400 empty tasks, wall x CPUs /
+    tasks), each in a fresh process, median of ``repeats``.  Prints the
+    constants ``lora_opt.parallel`` uses and the serial work below which serial execution wins."""
+    import os
+    from lora_opt import parallel
+
+    sc = scenario_dict(BASE["profile"], [{"count": 1, "rank": 16, "rate": 1.0}], engine=BASE["engine"], duration_s=5,
+                       seed=0)
+    env = dict(os.environ, LORA_OPT_BENCH_SCENARIO=json.dumps(sc))
+    env.pop("RAY_ADDRESS", None)
+    rows = []
+    for _ in tqdm(range(repeats), desc="fresh Ray instances", unit="run"):
+        res = subprocess.run([sys.executable, "-c", _RAY_CHILD], capture_output=True, text=True, env=env, check=True)
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+    cpus = int(med["cpus"])
+    # serial work W*c at which startup + ceil(m/cpus)(c + o) = m c, for many small tasks: ~ startup * cpus/(cpus-1)
+    break_even = med["startup_s"] * cpus / (cpus - 1) if cpus > 1 else math.inf
+    print(f"Ray on this machine ({cpus} CPUs, median of {repeats} fresh processes):")
+    print(f"  import ray                {med['import_ray_s']:7.2f} s")
+    print(f"  ray.init                  {med['init_s']:7.2f} s")
+    print(f"  first task on every fresh worker  {med['first_tasks_s']:7.2f} s")
+    print(f"  ray.shutdown              {med['shutdown_s']:7.2f} s")
+    print(f"  start-up in all           {med['startup_s']:7.2f} s"
+          f"   (lora_opt.parallel.RAY_STARTUP_S = {parallel.RAY_STARTUP_S:g})")
+    print(f"  per task once warm        {med['task_s'] * 1e3:7.2f} ms  (lora_opt.parallel.RAY_TASK_S = {parallel.RAY_TASK_S:g})")
+    print(f"  serial wins below ~{break_even:.1f} s of serial work (start-up x cpus / (cpus - 1))")
+    _dump(out, {"runs": rows, "median": med, "break_even_serial_s": break_even,
+                "constants": {"RAY_STARTUP_S": parallel.RAY_STARTUP_S, "RAY_TASK_S": parallel.RAY_TASK_S}})
     return 0

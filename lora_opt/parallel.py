@@ -4,11 +4,20 @@
 dataset generator and the search all call it.  Scenarios travel as plain dicts (validated again in
 the worker), results come back as dicts, in input order, so a serial and a Ray run give the same
 rows.  Work is sent in batches so per-task overhead stays small next to the simulations.
+
+Serial or Ray: ``--workers 1`` is serial, ``--workers N > 1`` or a cluster (``--ray-address`` /
+``RAY_ADDRESS``) is Ray.  By default (no ``--workers``) the first task runs here and is timed; the
+rest goes to Ray only when Ray would finish it sooner despite its start-up (``ray_pays_off``, from
+``RAY_STARTUP_S`` and ``RAY_TASK_S`` measured on the 2-core reference machine), so small jobs pay
+no start-up tax.  The choice is logged (logger ``lora_opt.parallel``) and shown on progress bars.
 """
 from __future__ import annotations
 
 import collections
+import logging
+import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -59,36 +68,99 @@ def _batches(items: Sequence, size: int) -> Iterable[tuple[int, list]]:
         yield i, list(items[i:i + size])
 
 
-def use_ray(workers: int | None, ray_address: str | None) -> bool:
-    """Serial in this process only when asked for one worker and no cluster is named."""
-    return not (workers == 1 and not (ray_address or os.environ.get("RAY_ADDRESS")))
+log = logging.getLogger(__name__)
+
+#: Ray's start-up on a local instance (s): ``import ray`` 0.3, ``ray.init`` 5.0, the first task on
+#: every fresh worker (imports lora_opt and twin, loads the Numba kernel) 2.2, ``ray.shutdown`` at
+#: exit 1.4.  Measured on the 2-core reference machine by ``lora-opt bench ray`` (median of 3 fresh
+#: processes); rerun it on another machine and set these from its output.
+RAY_STARTUP_S = 9.2
+#: Ray's overhead per task once started (s): submit, schedule, (de)serialise, ``ray.wait``; same bench.
+RAY_TASK_S = 0.0013
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
+
+
+def ray_forced(workers: int | None, ray_address: str | None) -> bool:
+    """The user asked for Ray: more than one worker, or a cluster (``--ray-address`` / ``RAY_ADDRESS``)."""
+    return bool(ray_address or os.environ.get("RAY_ADDRESS")) or (workers is not None and workers > 1)
+
+
+def use_ray(workers: int | None, ray_address: str | None) -> bool | None:
+    """True: Ray (asked for); False: serial in this process (``workers=1``, no cluster); None: the
+    default -- decided from the work (``ray_pays_off``)."""
+    if ray_forced(workers, ray_address):
+        return True
+    return False if workers == 1 else None
+
+
+def ray_pays_off(tasks_left: int, task_s: float, cpus: int | None = None) -> bool:
+    """Whether Ray would finish ``tasks_left`` tasks of ``task_s`` seconds each sooner than this
+    process does serially: ``startup + ceil(tasks / cpus) * (task_s + RAY_TASK_S) < tasks * task_s``
+    (start-up 0 when Ray already runs in this process).  With 2 CPUs and tasks of ``t`` seconds, Ray
+    pays off from about ``2 * RAY_STARTUP_S / t`` tasks: below ~18 s of serial work, serial wins."""
+    cpus = cpus or os.cpu_count() or 1
+    if tasks_left <= 1 or cpus <= 1:
+        return False
+    startup = 0.0 if _ray_running() else RAY_STARTUP_S
+    return startup + math.ceil(tasks_left / cpus) * (task_s + RAY_TASK_S) < tasks_left * task_s
+
+
+def _say(report: Callable[[str], None] | None, msg: str) -> None:
+    log.info(msg)
+    if report is not None:
+        report(msg)
 
 
 def run_batches(fn: Callable[[list], list], batches: Sequence[list], on_done: Callable[[int, list], None], *,
-                workers: int | None = None, ray_address: str | None = None) -> None:
+                workers: int | None = None, ray_address: str | None = None,
+                report: Callable[[str], None] | None = None, what: str | None = None) -> str:
     """Run ``fn(batch)`` for every batch -- as Ray tasks, or serially -- and call
-    ``on_done(index, result)`` in the driver as each one finishes (in completion order)."""
-    if not use_ray(workers, ray_address):
+    ``on_done(index, result)`` in the driver as each one finishes (in completion order).
+
+    By default (``use_ray`` is None) batches run here, timed, while ``ray_pays_off`` says the rest
+    is too little work for Ray; the rest goes to Ray once it pays off.  ``report`` receives the
+    choice as one line, naming the work ``what`` (default: "N tasks"), e.g. ``serial: 3 GPU
+    replays, below the Ray threshold``.  Returns ``"serial"`` or ``"ray"``."""
+    mode, n, start = use_ray(workers, ray_address), len(batches), 0
+    what = what or f"{n} tasks"
+    if mode is not True:
+        t0 = time.perf_counter()
         for i, batch in enumerate(batches):
+            if mode is None and i > 0 and ray_pays_off(n - i, (time.perf_counter() - t0) / i, workers):
+                start = i
+                break
             on_done(i, fn(batch))
-        return
+        else:
+            _say(report, f"serial: {what}, {'--workers 1' if mode is False else 'below the Ray threshold'}")
+            return "serial"
     import ray  # heavy optional dependency: only when tasks go to Ray
 
+    address = ray_address or os.environ.get("RAY_ADDRESS")
+    where = f"the cluster at {address}" if address else f"{workers or os.cpu_count()} workers"
+    why = "asked for" if mode else f"above the Ray threshold ({start} of {n} tasks ran here, timed)"
+    _say(report, f"Ray: {what} on {where}, {why}")
     init_ray(ray_address, workers)
     remote = ray.remote(num_cpus=1)(fn)
-    pending = {remote.remote(batch): i for i, batch in enumerate(batches)}
+    pending = {remote.remote(batches[i]): i for i in range(start, n)}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         for ref in done:
             on_done(pending.pop(ref), ray.get(ref))
+    return "ray"
 
 
 def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_address: str | None = None,
                   batch_size: int | None = None, desc: str = "simulating", progress: bool = True) -> list[dict]:
     """Simulate every scenario; results in input order.
 
-    ``workers=1`` runs serially in this process (no Ray).  Otherwise tasks go to Ray: a local
-    instance with ``workers`` CPUs, or the cluster at ``ray_address`` / ``RAY_ADDRESS``.
+    ``workers=1`` runs serially in this process (no Ray); ``workers > 1`` sends tasks to Ray (a
+    local instance with ``workers`` CPUs), as does a cluster at ``ray_address`` / ``RAY_ADDRESS``;
+    the default (None) runs serially unless the work is large enough to pay Ray's start-up
+    (``run_batches``), then on a local instance with all cores.
     """
     n = len(scenarios)
     if n == 0:
@@ -104,7 +176,8 @@ def run_scenarios(scenarios: Sequence[dict], *, workers: int | None = None, ray_
             bar.update(len(rows))
 
         run_batches(_simulate_batch, [b for _, b in starts_batches], done, workers=workers,
-                    ray_address=ray_address)
+                    ray_address=ray_address, what=f"{n} simulations",
+                    report=lambda msg: bar.set_description_str(f"{desc} ({msg})"))
     return results  # type: ignore[return-value]
 
 
@@ -118,20 +191,35 @@ class TaskPool:
     """Submit tasks one by one and take them back as they finish -- Ray tasks on ``workers`` CPUs
     (local instance or ``ray_address``), or inline when serial.  For drivers that decide the next
     task from the last result (Optuna's ask/tell).  A task that raises, or runs past ``timeout_s``
-    (it is cancelled), comes back as the exception instead of a result."""
+    (it is cancelled), comes back as the exception instead of a result.
 
-    def __init__(self, fn: Callable, *, workers: int | None = None, ray_address: str | None = None):
-        self.serial = not use_ray(workers, ray_address)
-        self.workers = 1 if self.serial else (workers or os.cpu_count() or 1)
-        self.fn = fn
+    By default (no ``workers``, no cluster) with ``tasks`` (how many will be submitted) given, tasks
+    run inline, timed, until ``ray_pays_off`` for the ones left; then the rest go to Ray.  Without
+    ``tasks`` the default is Ray.  ``mode`` says which was chosen, and why."""
+
+    def __init__(self, fn: Callable, *, workers: int | None = None, ray_address: str | None = None,
+                 tasks: int | None = None):
+        asked = use_ray(workers, ray_address)
+        self.fn, self._workers, self._address = fn, workers, ray_address
         self._done: collections.deque = collections.deque()
         self._pending: dict[Any, tuple[Any, float]] = {}
-        if not self.serial:
-            import ray  # heavy optional dependency: only when tasks go to Ray
-            init_ray(ray_address, workers)
-            if ray_address or os.environ.get("RAY_ADDRESS"):
-                self.workers = workers or int(ray.cluster_resources().get("CPU", 1))
-            self._remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+        self._auto = asked is None and tasks is not None
+        self._tasks, self._ran, self._ran_s = tasks or 0, 0, 0.0
+        self.serial, self.workers = True, 1
+        if asked is False or self._auto:
+            self.mode = f"serial: {tasks or 'the'} tasks, {'--workers 1' if asked is False else 'below the Ray threshold'}"
+        else:
+            self._start_ray("asked for" if asked else "the default when the number of tasks is not known")
+        log.info(self.mode)
+
+    def _start_ray(self, why: str) -> None:
+        import ray  # heavy optional dependency: only when tasks go to Ray
+        init_ray(self._address, self._workers)
+        self.serial = False
+        address = self._address or os.environ.get("RAY_ADDRESS")
+        self.workers = self._workers or (int(ray.cluster_resources().get("CPU", 1)) if address else os.cpu_count() or 1)
+        self._remote = ray.remote(num_cpus=1, max_retries=0)(self.fn)
+        self.mode = f"Ray: {self.workers} workers{' at ' + address if address else ''}, {why}"
 
     def put(self, obj):
         """Share a large argument once (an object-store reference under Ray)."""
@@ -154,17 +242,28 @@ class TaskPool:
 
     def submit(self, key, *args) -> None:
         if self.serial:
+            t0 = time.perf_counter()
             try:
-                self._done.append((key, self.fn(*args)))
+                out = self.fn(*args)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller as the result
-                self._done.append((key, exc))
+                out = exc
+            took = time.perf_counter() - t0
+            self._done.append((key, out, took))
+            self._ran, self._ran_s = self._ran + 1, self._ran_s + took
+            if self._auto and ray_pays_off(self._tasks - self._ran, self._ran_s / self._ran, self._workers):
+                self._auto = False
+                self._start_ray(f"above the Ray threshold ({self._ran} of {self._tasks} tasks ran here, timed)")
+                log.info(self.mode)
             return
         self._pending[self._remote.remote(*args)] = (key, time.monotonic())
 
     def next_done(self, timeout_s: float | None = None):
         """(key, result or exception) of a finished task; blocks until one finishes."""
-        if self._done:
-            return self._done.popleft()
+        if self._done:        # inline: a task is not cut short, but one that ran too long fails as on Ray
+            key, out, took = self._done.popleft()
+            if timeout_s is not None and took > timeout_s:
+                return key, TimeoutError(f"task ran longer than {timeout_s:g} s")
+            return key, out
         import ray  # heavy optional dependency: only when tasks go to Ray
         while True:
             ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=1.0)

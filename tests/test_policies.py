@@ -10,9 +10,10 @@ from lora_opt.surrogates.features import gpu_features
 from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.policies import POLICIES, PlacementContext, get_policy
 from lora_opt.placement.policies.greedy import TESTING_POINTS, Segments
-from lora_opt.placement.policies.packing import priority_order, zigzag
-from lora_opt.placement.workload_file import workload_from_dict
+from lora_opt.placement.policies.packing import max_loras_that_start, priority_order, zigzag
+from lora_opt.placement.workload_file import load_workload, workload_from_dict
 from twin.errors import ScenarioError
+from twin.paths import CONFIGS_DIR
 from twin.profile import VLLM_LORA_RANKS
 
 PROFILE = "llama-3.1-8b-h100-64gb"
@@ -87,7 +88,7 @@ def test_deterministic_and_json_round_trip(placed, ctx):
 def test_pool_too_small_is_a_result_not_an_exception(name, ctx):
     wl = make_workload(n=300, scale=8.0)       # ~300 req/s: far more than one GPU
     p = policy(name).place(wl, 1, ctx)
-    if name == "dlora":                        # dLoRA has no capacity model: it always fits the pool
+    if name in ("dlora", "dlora-capped"):      # dLoRA has no capacity model: it always fits the pool
         assert p.meta["feasible"] and len(p.gpus) == 1
     else:
         assert not p.meta["feasible"] and p.meta["gpus_needed"] > 1
@@ -181,3 +182,44 @@ def test_startup_failures_are_reported_not_raised(ctx):
     wl = make_workload(n=1200, scale=0.1, ranks=(32,))
     p = get_policy("dlora").place(wl, 2, ctx)
     assert p.meta["gpus_failing_startup"] == [0, 1]
+
+
+# ---- the operator variants of the baselines: A_max capped to what starts -------------------------
+def _startable(p, wl, profile, gi):
+    g, e = p.gpus[gi], wl.engine
+    mml = e.max_model_len or profile.model.max_model_len
+    return max_loras_that_start(profile, g.max_lora_rank, e.gpu_memory_utilization, e.max_num_batched_tokens,
+                                mml, e.max_num_seqs, len(p.adapters_on(gi)))
+
+
+@pytest.mark.parametrize("paper,operator", [("dlora", "dlora-capped"), ("loraserve", "loraserve-capped")])
+def test_capped_baselines_start_where_the_papers_ones_oom(paper, operator):
+    """On the example workload (model's max_model_len) the paper-faithful baselines fail to start;
+    the operator variants start on every GPU with A_max at the startable cap."""
+    wl = load_workload(CONFIGS_DIR / "workloads" / "example.yaml")
+    ctx = PlacementContext.for_workload(wl)
+    faithful, capped = get_policy(paper).place(wl, 4, ctx), get_policy(operator).place(wl, 4, ctx)
+    assert faithful.meta["gpus_failing_startup"]
+    assert capped.meta["gpus_failing_startup"] == [] and capped.meta["feasible"]
+    for gi, g in enumerate(capped.gpus):
+        assert g.max_loras == min(len(capped.adapters_on(gi)), _startable(capped, wl, ctx.profile, gi))
+        assert g.max_model_len == ctx.profile.model.max_model_len
+    if paper == "loraserve":                  # same placement and routing; only A_max differs
+        assert capped.routes == faithful.routes
+
+
+@pytest.mark.parametrize("operator", ["dlora-capped", "loraserve-capped"])
+@pytest.mark.parametrize("mml", [None, 8192])
+def test_capped_baselines_never_exceed_the_startable_cap(operator, mml):
+    """A_max <= the largest that starts under the workload's max_model_len, and <= adapters per GPU;
+    a shorter max_model_len leaves room for more (the cap follows the workload, not the model)."""
+    rng = np.random.default_rng(3)
+    ads = [{"id": f"a{i}", "rank": int(rng.choice([8, 16, 32, 64])), "rate": 0.05} for i in range(900)]
+    eng = {"max_model_len": mml} if mml else {}
+    wl = workload_from_dict({"profile": PROFILE, "adapters": ads, "engine": eng, "evaluation": {"duration_s": 300}})
+    ctx = PlacementContext.for_workload(wl)
+    p = get_policy(operator).place(wl, 3, ctx)
+    assert p.meta["gpus_failing_startup"] == []
+    for gi, g in enumerate(p.gpus):
+        assert g.max_model_len == (mml or ctx.profile.model.max_model_len)
+        assert 1 <= g.max_loras <= min(len(p.adapters_on(gi)), _startable(p, wl, ctx.profile, gi))

@@ -31,13 +31,18 @@ def _search(args: argparse.Namespace) -> int:
     return bench_search(out=args.out)
 
 
+def _ray(args: argparse.Namespace) -> int:
+    from lora_opt.benchmarks import bench_ray
+    return bench_ray(out=args.out, repeats=args.repeats)
+
+
 def _emulate(args: argparse.Namespace) -> int:
     from lora_opt.emulate.bench import bench_emulate
     return bench_emulate(out=args.out, concurrency=args.concurrency, duration_s=args.duration, pin=args.pin)
 
 
 #: benchmark name -> its runner; ``lora-opt bench``'s choices
-BENCHMARKS = {"twin": _twin, "dataset": _dataset, "place": _place, "search": _search, "emulate": _emulate}
+BENCHMARKS = {"twin": _twin, "dataset": _dataset, "place": _place, "search": _search, "ray": _ray, "emulate": _emulate}
 
 
 def register(sub) -> None:

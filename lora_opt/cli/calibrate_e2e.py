@@ -13,7 +13,7 @@ def register(sub) -> None:
     e = sub.add_parser("calibrate-e2e", help="fit the constants only end-to-end runs identify, on half of them")
     e.add_argument("--model", help="model name as in the CSV (default: every bundled model)")
     e.add_argument("--runs", default=str(REAL_RUNS_CSV))
-    e.add_argument("--workers", type=WORKERS, help="parallel workers (default: all cores)")
+    e.add_argument("--workers", type=WORKERS, help="parallel workers (default: serial when the work is too small to pay Ray's start-up, else all cores)")
     e.set_defaults(run=run)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
-WORKERS_HELP = "parallel workers (1 = serial, no Ray; default: all cores)"
+WORKERS_HELP = ("parallel workers (1 = serial, no Ray; N > 1 = Ray; default: serial when the work is too small "
+                "to pay Ray's start-up, else Ray on all cores)")
 #: the largest --workers (Ray tasks in flight) and --gpus (GPUs in a pool) accepted
 MAX_WORKERS, MAX_GPUS = 4096, 100_000
 #: the largest seed (int64) and the longest time a flag may give in seconds (~3.2 years)

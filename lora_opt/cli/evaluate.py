@@ -1,4 +1,4 @@
-"""``lora-opt evaluate``: replay a placement's traffic on the twin, one simulation per GPU (Ray)."""
+"""``lora-opt evaluate``: replay a placement's traffic on the twin, one simulation per GPU (Ray when it pays)."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,8 @@ GRACE_DEFAULT_S = 60.0
 
 
 def register(sub) -> None:
-    ev = sub.add_parser("evaluate", help="replay a placement's traffic on the twin, one simulation per GPU (Ray)")
+    ev = sub.add_parser("evaluate", help="replay a placement's traffic on the twin, one simulation per GPU "
+                                           "(on Ray when the work pays its start-up)")
     ev.add_argument("placement", help="placement.json written by lora-opt place (or the directory holding it)")
     ev.add_argument("--workload", help="workload file (its evaluation section); default: Poisson at the placement's rates")
     ev.add_argument("--arrivals", choices=list(ARRIVAL_PROCESSES), help="arrival process")

@@ -35,7 +35,8 @@ def register(sub) -> None:
     se.add_argument("--no-seeds", action="store_true", help="do not start from the greedy placements")
     se.add_argument("--timeout-s", type=POSITIVE_S, default=600.0, help="a trial running longer is recorded as failed")
     se.add_argument("--surrogate", help="surrogate directory for the greedy seeds (default: bundled)")
-    add_ray_flags(se, workers_help="parallel trials (1 = serial, no Ray; default: all cores)")
+    add_ray_flags(se, workers_help="parallel trials (1 = serial, no Ray; N > 1 = Ray; default: serial when the trials are too few "
+                                        "to pay Ray's start-up, else Ray on all cores)")
     se.add_argument("--out", help="output directory (default: outputs/search-<workload>)")
     se.set_defaults(run=run)
 

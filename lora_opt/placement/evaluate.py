@@ -226,7 +226,8 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
         def done(i: int, rows: list) -> None:
             results[i] = rows[0]
             bar.update(1)
-        run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address)
+        run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address,
+                    what=f"{len(jobs)} GPU replays", report=lambda msg: bar.set_description_str(f"replaying GPUs ({msg})"))
     res: list[dict] = results  # type: ignore[assignment]
     per_gpu = []
     counts = [len(on) for on in p.by_gpu()]

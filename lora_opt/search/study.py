@@ -301,7 +301,7 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
     finished = lambda: sum(t.state in (TrialState.COMPLETE, TrialState.FAIL)  # noqa: E731
                            for t in study.get_trials(deepcopy=False))
     done0 = finished()
-    pool = TaskPool(run_trial, workers=workers, ray_address=ray_address)
+    pool = TaskPool(run_trial, workers=workers, ray_address=ray_address, tasks=max(0, trials - done0))
     setup_ref, traffic_ref = pool.put(setup), pool.put(traffic)
     with tqdm(total=max(0, trials - done0), desc=f"study {study_name}", unit="trial", disable=not progress) as bar:
         asked, live = done0, {}

@@ -386,7 +386,9 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
             labelled += len(rows)
             bar.update(len(rows))
 
-        run_batches(label_points, [items for _, items in todo], on_done, workers=workers, ray_address=ray_address)
+        run_batches(label_points, [items for _, items in todo], on_done, workers=workers, ray_address=ray_address,
+                    what=f"{sum(len(items) for _, items in todo)} points in {len(todo)} shards",
+                    report=lambda msg: bar.set_description_str(f"dataset ({msg})"))
     wall = time.perf_counter() - t0
     summary = {"out": str(out), "rows": len(points), "rows_labelled_now": labelled, "rows_resumed": done_points,
                "shards": n_shards, "wall_s": wall, "rows_per_s": labelled / wall if wall > 0 else float("nan"),

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from lora_opt.placement.policies.base import (ORACLE_FILES, Assignment, GPUAssignment, PlacementContext,
                                               PlacementPolicy, startup_failures)
-from lora_opt.placement.policies.baselines import DLoRA, LoRAServe
+from lora_opt.placement.policies.baselines import DLoRA, DLoRACapped, LoRAServe, LoRAServeCapped
 from lora_opt.placement.policies.greedy import Greedy, GreedyFast, GreedyPlus
 from twin.errors import ScenarioError
 
 POLICIES: dict[str, type[PlacementPolicy]] = {
-    cls.name: cls for cls in (GreedyPlus, Greedy, GreedyFast, DLoRA, LoRAServe)
+    cls.name: cls for cls in (GreedyPlus, Greedy, GreedyFast, DLoRA, LoRAServe, DLoRACapped, LoRAServeCapped)
 }
 DEFAULT_POLICY = "greedy-plus"
 

@@ -2,19 +2,49 @@
 (``shared/reference/vllm_lora_internals.md`` section 5).  Both set A_max to the adapters served per
 GPU, as the paper does for them -- which is what makes their instances OOM at start-up when many
 large-rank adapters share a GPU.  Neither consults the surrogates.
+
+Each also has an operator variant (``dlora-capped``, ``loraserve-capped``): the same routing rules,
+but A_max capped to the largest value whose instance starts under the workload's ``max_model_len``
+by the profile's memory model -- the baseline as a competent operator would deploy it.
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import ClassVar
 
 import numpy as np
 
 import twin
 from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
+from lora_opt.placement.policies.packing import max_loras_that_start
 from lora_opt.placement.workload_file import Workload
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
+from twin.profile import Profile
 from twin.scenario import build_scenario
+
+
+class StartableCap:
+    """A_max for a GPU of the operator variants: the adapters it serves, capped to the largest
+    value that starts by the memory model (``max_loras_that_start``) for its ``--max-lora-rank``,
+    under the workload's ``max_model_len`` (the model's when the workload states none).  Never
+    below 1: a GPU where even one adapter slot does not start is reported as failing to start."""
+
+    def __init__(self, wl: Workload, profile: Profile):
+        e = wl.engine
+        self._args = (e.gpu_memory_utilization, e.max_num_batched_tokens,
+                      e.max_model_len or profile.model.max_model_len, e.max_num_seqs)
+        self._profile, self._limit, self._caps = profile, max(1, len(wl.adapters)), {}
+
+    def cap(self, lora_rank: int) -> int:
+        """Largest startable A_max for this ``--max-lora-rank`` (up to the workload's adapters)."""
+        if lora_rank not in self._caps:
+            u, mnbt, mml, mns = self._args
+            self._caps[lora_rank] = max_loras_that_start(self._profile, lora_rank, u, mnbt, mml, mns, self._limit)
+        return self._caps[lora_rank]
+
+    def __call__(self, ranks, n_adapters: int) -> int:
+        return max(1, min(int(n_adapters), self.cap(lora_rank_for(ranks))))
 
 
 class DLoRA(PlacementPolicy):
@@ -26,10 +56,17 @@ class DLoRA(PlacementPolicy):
     name = "dlora"
     summary = "dLoRA proactive placement: round-robin + burst-tolerance replicas, A_max = adapters/GPU"
     fractional = True
+    #: cap A_max to what starts (the operator variant); the paper's A_max = adapters/GPU otherwise
+    capped: ClassVar[bool] = False
 
     def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
         N, K = len(wl.adapters), gpus
         prof, e = ctx.profile, wl.engine
+        startable = StartableCap(wl, prof) if self.capped else None
+
+        def a_max(j: int) -> int:
+            ranks = [wl.adapters[k].rank for k in members[j]]
+            return startable(ranks, len(ranks)) if startable and ranks else len(ranks)
         rates = np.array([a.rate for a in wl.adapters], float)
         p = rates / rates.sum() if rates.sum() > 0 else np.full(N, 1.0 / N)
         hosts: list[set[int]] = [{k % K} for k in range(N)]
@@ -38,11 +75,11 @@ class DLoRA(PlacementPolicy):
             members[k % K].add(k)
 
         def avail(j: int) -> float:
-            """KV memory (tokens) of engine j with A_max = its adapter count."""
+            """KV memory (tokens) of engine j with its A_max (the adapter count, or its startable cap)."""
             if not members[j]:
                 return 0.0
             lr = lora_rank_for([wl.adapters[k].rank for k in members[j]])
-            kv = prof.kv_capacity_tokens(len(members[j]), lr, e.gpu_memory_utilization, e.max_num_batched_tokens,
+            kv = prof.kv_capacity_tokens(a_max(j), lr, e.gpu_memory_utilization, e.max_num_batched_tokens,
                                          max_num_seqs=e.max_num_seqs)
             return float(kv)
 
@@ -69,9 +106,19 @@ class DLoRA(PlacementPolicy):
                 hosts[k].discard(j)
             if not accepted:
                 break
-        out = [GPUAssignment([(k, 1.0 / len(hosts[k])) for k in sorted(members[j])], len(members[j]))
+        out = [GPUAssignment([(k, 1.0 / len(hosts[k])) for k in sorted(members[j])], a_max(j))
                for j in range(K)]
         return Assignment(out)
+
+
+class DLoRACapped(DLoRA):
+    """dLoRA as an operator would deploy it: the same placement and routing rules, with each
+    engine's A_max (in the burst tolerance's memory as on the GPU) capped to the largest that starts
+    under the workload's ``max_model_len``."""
+
+    name = "dlora-capped"
+    summary = "dLoRA's placement and routing, A_max capped to the largest that starts (operator variant)"
+    capped = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,6 +144,8 @@ class LoRAServe(PlacementPolicy):
     name = "loraserve"
     summary = "LoRAServe rank-aware fill to a target utilisation, fractional routing, A_max = adapters/GPU"
     fractional = True
+    #: cap A_max to what starts (the operator variant); the paper's A_max = adapters/GPU otherwise
+    capped: ClassVar[bool] = False
 
     def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
         e = wl.engine
@@ -173,7 +222,21 @@ class LoRAServe(PlacementPolicy):
                 items.append((i, w))
             out.append(GPUAssignment(items, len(items)))
         _fix_weights(out, len(wl.adapters))
+        if self.capped:
+            startable = StartableCap(wl, ctx.profile)
+            for g in out:
+                if g.adapters:
+                    g.max_loras = startable([wl.adapters[i].rank for i, _ in g.adapters], len(g.adapters))
         return Assignment(out, notes=notes)
+
+
+class LoRAServeCapped(LoRAServe):
+    """LoRAServe as an operator would deploy it: the same placement and routing, with each
+    server's A_max capped to the largest that starts under the workload's ``max_model_len``."""
+
+    name = "loraserve-capped"
+    summary = "LoRAServe's placement and routing, A_max capped to the largest that starts (operator variant)"
+    capped = True
 
 
 def _fix_weights(gpus: list[GPUAssignment], n_adapters: int) -> None:
