@@ -169,3 +169,37 @@ def test_a_down_endpoint_counts_failures_and_still_writes(placement_dir, tmp_pat
 def test_bad_endpoints_are_input_errors(placement_dir, tmp_path, endpoints, message):
     r = _validate(placement_dir, endpoints, tmp_path / "o", "--no-track")
     assert r.returncode == 2 and message in r.stderr
+
+
+def test_ctrl_c_writes_what_was_measured(placement_dir, tmp_path):
+    """SIGINT during the replay: the requests sent so far are measured, the rest are ``not_sent``;
+    every output is written and the exit status is 130."""
+    import signal
+    import time
+    base = _two_ports()
+    emu = _fleet(placement_dir, base)
+    out = tmp_path / "out"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "validate", str(placement_dir / "placement.json"),
+                                 "--endpoints", f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}",
+                                 "--workload", str(placement_dir / "workload.yaml"), "--speed", "10", "--duration", "300",
+                                 "--workers", "1", "--no-track", "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        try:
+            assert proc.stdout.readline().startswith("replaying")
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        assert emu.stop() == 0
+    assert proc.returncode == 130, stderr
+    real = json.loads((out / "real.json").read_text())
+    assert real["info"]["interrupted"] is True
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["completed"] > 0 and bench["not_sent"] > 0 and bench["failed"] == 0
+    assert (out / "requests.csv").is_file() and (out / "plots/gpu0.png").is_file()
+    assert "interrupted" in stdout

@@ -59,14 +59,15 @@ def run(args: argparse.Namespace) -> int:
             "workload": wl.name}
     summary, status = validate_placement(p, wl, urls, args.out, speed=args.speed, scrape_s=args.scrape_s,
                                          workers=args.workers, meta=meta, tracking_uri=args.tracking_uri,
-                                         track=not args.no_track)
+                                         track=not args.no_track, progress=not args.json)
     if args.json:
         print(json.dumps({k: summary[k] for k in ("info", "comparison", "bench", "exit_status")}, default=str))
         return status
     b, c = summary["bench"], summary["comparison"]
     print(f"validate {path} on {len(urls)} endpoint(s) ({', '.join(sorted(set(summary['info']['versions'].values())))})"
           f": {summary['info']['requests']:,} requests, {b['completed']:,} ok, {b['failed']:,} failed, "
-          f"{b['unfinished']:,} unfinished at the window's end")
+          f"{b['unfinished']:,} unfinished at the window's end"
+          + (f", {b['not_sent']:,} not sent" if b["not_sent"] else ""))
     print("real:")
     print(evaluation_table(summary["real"]))
     print("twin (same requests):")

@@ -153,6 +153,10 @@ async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: fl
     return records
 
 
+#: the error of a request the replay never sent (stopped first)
+NOT_SENT = "not sent (interrupted)"
+
+
 def split_url(url: str) -> tuple[str, int, str]:
     """(host, port, root path) of an endpoint URL (``http://h:p`` or ``http://h:p/v1``)."""
     u = urlparse(url)
@@ -211,5 +215,5 @@ async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, mode
     await asyncio.gather(*tasks.values(), return_exceptions=True)
     for k in range(len(records)):
         if k not in tasks and not records[k].error:
-            records[k].error = "not sent (interrupted)"
+            records[k].error = NOT_SENT
     return records

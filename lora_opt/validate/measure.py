@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from lora_opt.emulate.client import Record
+from lora_opt.emulate.client import NOT_SENT, Record
 from twin.simulate import weighted_stats
 
 #: the per-request CSV's columns
@@ -28,9 +28,12 @@ REQUEST_COLUMNS = ("request", "gpu", "endpoint", "adapter", "arrival_s", "sent_s
 
 
 def outcome(r: Record) -> str:
-    """``ok``, ``failed`` or ``unfinished`` (still running at the window's end)."""
+    """``ok``, ``failed``, ``unfinished`` (still running at the window's end) or ``not_sent``
+    (Ctrl-C came first)."""
     if r.error == "unfinished":
         return "unfinished"
+    if r.error == NOT_SENT:
+        return "not_sent"
     if r.error or not 200 <= r.status < 300 or not r.token_times or not r.done_marker:
         return "failed"
     return "ok"
@@ -96,6 +99,7 @@ def bench_summary(records: list[Record], rows: list[dict], speed: float, duratio
     total_out = sum(row["output_tokens_received"] for _, row in ok)
     out = {"duration": dur, "completed": len(ok), "failed": sum(row["status"] == "failed" for row in rows),
            "unfinished": sum(row["status"] == "unfinished" for row in rows),
+           "not_sent": sum(row["status"] == "not_sent" for row in rows),
            "total_input_tokens": total_in, "total_output_tokens": total_out,
            "request_throughput": len(ok) / dur, "request_goodput": None, "output_throughput": total_out / dur,
            "total_token_throughput": (total_in + total_out) / dur}

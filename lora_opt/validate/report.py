@@ -139,7 +139,8 @@ def _real_evaluation(p: Placement, wl: Workload, records, req, target, series: d
 
 def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: str | Path, *, speed: float = 1.0,
                        scrape_s: float = 5.0, workers: int | None = None, meta: dict | None = None,
-                       tracking_uri: str | None = None, track: bool = True) -> tuple[dict, int]:
+                       tracking_uri: str | None = None, track: bool = True,
+                       progress: bool = True) -> tuple[dict, int]:
     """Replay ``wl``'s evaluation traffic (``evaluate``'s requests and routing) on the endpoints
     ``urls`` (GPU -> URL), compare with the twin, write everything under ``out`` and log one
     MLflow run.  (summary, exit status: ``EXIT_OK``, ``EXIT_FAILED_REQUESTS`` when requests
@@ -151,6 +152,9 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     target = route_requests(p, req, wl.evaluation.seed)
     models = [a.id for a in p.adapters]
     versions = endpoint_versions(urls)
+    if progress:
+        print(f"replaying {len(req):,} requests over {T:g} s (x{speed:g}: {T / speed:,.0f} s of wall time) "
+              f"on {len(urls)} endpoint(s); Ctrl-C stops and writes what was measured", flush=True)
     records, scrapes, interrupted = run_live(urls, req, target, models, speed=speed, end_s=T, scrape_s=scrape_s)
     url_of = [urls.get(g, "") for g in range(len(p.gpus))]
     rows = request_rows(records, req, target, url_of, models, speed)
