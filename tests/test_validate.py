@@ -203,3 +203,44 @@ def test_ctrl_c_writes_what_was_measured(placement_dir, tmp_path):
     assert bench["completed"] > 0 and bench["not_sent"] > 0 and bench["failed"] == 0
     assert (out / "requests.csv").is_file() and (out / "plots/gpu0.png").is_file()
     assert "interrupted" in stdout
+
+
+# ---- ingest ------------------------------------------------------------------------------------
+#: a ``vllm bench serve --save-result`` JSON (no --save-detailed), field names as vLLM's
+#: vllm/benchmarks/serve.py writes them: 240 prompts at 4 req/s of 200 / 40 tokens (random dataset)
+BENCH_JSON = ROOT / "tests" / "data" / "vllm_bench_serve_result.json"
+
+
+def test_ingest_bench_serve_json_and_validate_output_rows_replayed_by_fidelity(placement_dir, tmp_path):
+    import pandas as pd
+    from lora_opt.validate.ingest import csv_columns
+    base = _two_ports()
+    emu = _fleet(placement_dir, base)
+    out = tmp_path / "val"
+    try:
+        r = _validate(placement_dir, [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"], out,
+                      "--duration", "30", "--no-track")
+    finally:
+        assert emu.stop() == 0
+    assert r.returncode == 0, r.stderr
+    rows_csv = tmp_path / "rows.csv"
+    r = subprocess.run([sys.executable, "-m", "lora_opt.cli", "ingest", str(BENCH_JSON), str(out), "--placement",
+                        str(placement_dir / "placement.json"), "--gpu-index", "0", "--label", "test", "--out",
+                        str(rows_csv)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = pd.read_csv(rows_csv)
+    assert list(rows.columns[:len(csv_columns())]) == csv_columns() and len(rows) == 3
+    bench = rows.iloc[0]
+    assert bench["experiment"] == "ingested/test" and bench["model"] == "llama-3.1-8b-instruct"
+    assert bench["completed"] == 240 and bench["max_loras"] == 4 and bench["n_served_adapters"] == 4
+    assert bench["adapter_rates"] == "1 1 1 1" and bench["mean_ttft_ms"] == 61.2
+    assert set(rows["source_dir"].iloc[1:]) == {f"{out}#gpu0", f"{out}#gpu1"}
+    r = subprocess.run([sys.executable, "-m", "lora_opt.cli", "fidelity", "--runs", str(rows_csv), "--workers", "1",
+                        "--out", str(tmp_path / "fid")], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    fid = pd.read_csv(tmp_path / "fid" / "runs.csv")
+    assert len(fid) == 3 and (fid["sharegpt_status"] == "ok").all()
+    # the validate rows: the twin on the same flags and rates reproduces the emulator's throughput
+    v = fid[fid["source_dir"].str.contains("#gpu")]
+    assert np.allclose(v["sharegpt_throughput"], v["real_throughput"], rtol=0.1)

@@ -168,7 +168,7 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     comparison = compare(real_ev, twin_ev, real_series, twin_series)
     bench = bench_summary(records, rows, speed, T)
     info = {**(meta or {}), "speed": speed, "scrape_s": scrape_s, "duration_s": T, "seed": wl.evaluation.seed,
-            "profile": p.profile, "requests": int(len(req)), "endpoints": {str(g): u for g, u in urls.items()},
+            "profile": p.profile, "lengths": wl.evaluation.lengths.source, "requests": int(len(req)), "endpoints": {str(g): u for g, u in urls.items()},
             "versions": {str(g): v for g, v in versions.items()}, "interrupted": interrupted}
     _write_outputs(out, info, real_ev, twin_ev, comparison, bench, rows, srows, real_series, twin_series, twin_raw)
     status = EXIT_INTERRUPTED if interrupted else EXIT_FAILED_REQUESTS if bench["failed"] else EXIT_OK
