@@ -30,6 +30,10 @@ BENCHMARK_CLIENT = {"max_inflight": 27934, "overflow": "drop"}
 
 #: end-to-end families used for validation (never for fitting)
 VALIDATION_FAMILIES = ("digital_twin_modelling/real_results", "motivation_figure/with_slots")
+#: the experiment prefix of rows ``lora-opt ingest`` writes (end-to-end runs: replayed by fidelity too)
+INGESTED_FAMILY = "ingested/"
+#: experiments ``fidelity`` replays
+REPLAYED_FAMILIES = VALIDATION_FAMILIES + (INGESTED_FAMILY,)
 
 
 def load_runs(path: str | Path = REAL_RUNS_CSV):
@@ -59,7 +63,7 @@ def usable(row) -> tuple[bool, str]:
         return False, f"status {row.get('status')}"
     if row["model"] not in MODEL_PROFILES or not (PROFILES_DIR / f"{MODEL_PROFILES[row['model']]}.yaml").exists():
         return False, f"no profile for model {row['model']}"
-    if not any(str(row["experiment"]).startswith(f) for f in VALIDATION_FAMILIES):
+    if not any(str(row["experiment"]).startswith(f) for f in REPLAYED_FAMILIES):
         return False, "not an end-to-end validation family"
     if _num(row, "n_served_adapters") is None or _num(row, "completed", 0) <= 0:
         return False, "no adapters or nothing completed"

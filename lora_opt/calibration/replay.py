@@ -15,7 +15,7 @@ from lora_opt.parallel import run_scenarios
 
 def select_runs(runs, family: str | None = None):
     """Usable validation runs, optionally only those whose experiment contains ``family``."""
-    rows = runs[runs["experiment"].str.startswith(realruns.VALIDATION_FAMILIES)]
+    rows = runs[runs["experiment"].astype(str).str.startswith(realruns.REPLAYED_FAMILIES)]
     if family:
         rows = rows[rows["experiment"].str.contains(family, regex=False)]
     keep = [realruns.usable(r)[0] for _, r in rows.iterrows()]

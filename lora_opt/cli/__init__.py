@@ -12,13 +12,13 @@ import argparse
 import sys
 
 from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
-from lora_opt.cli import (bench, calibrate, calibrate_e2e, dataset, emulate, evaluate, fidelity, pareto, place,
-                          search, simulate, train)
+from lora_opt.cli import (bench, calibrate, calibrate_e2e, dataset, emulate, evaluate, fidelity, ingest, pareto,
+                          place, search, simulate, train, validate)
 from lora_opt.errors import BAD_INPUT
 
 #: the commands, in the order ``lora-opt --help`` lists them
 COMMANDS = (simulate, bench, calibrate, calibrate_e2e, dataset, train, place, evaluate, search, pareto, fidelity,
-            emulate)
+            emulate, validate, ingest)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -27,6 +28,8 @@ class Record:
     status: int = 0
     error: str = ""
     due: float = 0.0            # when it should have been sent (arrival / speed)
+    usage_tokens: int = 0       # completion_tokens of the usage chunk (0: none seen)
+    done_marker: bool = False   # the stream ended with ``data: [DONE]``
 
 
 @dataclass
@@ -70,20 +73,33 @@ def summarise(records: list[Record], speed: float, duration_s: float) -> Summary
                    tokens=n_tokens)
 
 
-async def _one(host: str, port: int, path: str, model: str, rec: Record, t0: float) -> None:
+#: wall seconds a connection may take to open before the request counts as failed
+CONNECT_TIMEOUT_S = 10.0
+
+
+async def _one(host: str, port: int, path: str, model: str, rec: Record, t0: float,
+               prompt: list | None = None, include_usage: bool = False) -> None:
     """One streamed request on its own connection (``Connection: close``: the stream ends at EOF).
     A raw HTTP/1.1 exchange: the client must send on time and timestamp chunks as they come, and an
-    HTTP library's per-chunk work on a busy core delays both."""
-    body = json.dumps({"model": model, "prompt": [1] * rec.in_len, "max_tokens": rec.out_len,
-                       "ignore_eos": True, "stream": True}).encode()
+    HTTP library's per-chunk work on a busy core delays both.  A chunk is timestamped when its
+    ``"text":`` arrives (the usage chunk has none); ``prompt``: the token ids (default ``[1] * in_len``);
+    ``include_usage``: ask for the usage chunk (``vllm bench serve`` does) and record its count."""
+    payload = {"model": model, "prompt": prompt if prompt is not None else [1] * rec.in_len,
+               "max_tokens": rec.out_len, "ignore_eos": True, "stream": True}
+    if include_usage:
+        payload["stream_options"] = {"include_usage": True}
+    body = json.dumps(payload).encode()
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     rec.sent = time.perf_counter() - t0
     writer = None
+    last = b""
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
         writer.write(head + body)
         status_line = await reader.readline()
+        if not status_line:
+            raise ConnectionError("connection closed before a response")
         rec.status = int(status_line.split()[1])
         tail = b""
         times = rec.token_times
@@ -97,11 +113,21 @@ async def _one(host: str, port: int, path: str, model: str, rec: Record, t0: flo
                 now = time.perf_counter() - t0
                 times.extend([now] * n)
             tail = buf[-8:]
+            last = (last + data)[-4096:]
+    except asyncio.TimeoutError:
+        rec.error = f"connect timeout ({CONNECT_TIMEOUT_S:g} s)"
     except (OSError, ValueError, IndexError) as exc:
         rec.error = repr(exc)
     finally:
         if writer is not None:
             writer.close()
+        rec.done_marker = b"data: [DONE]" in last
+        if include_usage:
+            m = _USAGE.findall(last)
+            rec.usage_tokens = int(m[-1]) if m else 0
+
+
+_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
 async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: float,
@@ -124,4 +150,70 @@ async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: fl
         if concurrency_probe is not None:
             concurrency_probe.append(sum(not t.done() for t in tasks[-2000:]))
     await asyncio.gather(*tasks)
+    return records
+
+
+#: the error of a request the replay never sent (stopped first)
+NOT_SENT = "not sent (interrupted)"
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    """(host, port, root path) of an endpoint URL (``http://h:p`` or ``http://h:p/v1``)."""
+    u = urlparse(url)
+    root = u.path.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[:-3]
+    return u.hostname or "127.0.0.1", u.port or 80, root
+
+
+def prompt_ids(k: int, n: int) -> list:
+    """``n`` token ids, different for every request ``k`` (no shared prefix a cache could reuse)."""
+    start = (k * 7919) % 20000
+    return [100 + (start + j) % 20000 for j in range(n)]
+
+
+async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, models: list[str], speed: float, *,
+                        end_s: float, stop: asyncio.Event | None = None, on_start=None) -> list[Record]:
+    """Send request k to ``urls[target[k]]`` (model ``models[adapter]``; ``target`` -1: not sent,
+    recorded as failed) at ``arrival / speed`` wall seconds from the start, streaming with the usage
+    chunk; at ``end_s / speed`` (or when ``stop`` is set) requests still in flight are cancelled
+    and recorded with ``error = "unfinished"``.  ``on_start(t0)``: called once with the start."""
+    ends = [split_url(u) for u in urls]
+    records = [Record(0.0, int(i), int(o), due=float(a) / speed)
+               for a, i, o in zip(req.arrival, req.in_len, req.out_len)]
+    t0 = time.perf_counter()
+    if on_start is not None:
+        on_start(t0)
+    stop = stop or asyncio.Event()
+    tasks: dict[int, asyncio.Future] = {}
+    for k in range(len(req)):
+        delay = t0 + float(req.arrival[k]) / speed - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)        # plain sleep: the send time is what is measured
+        if stop.is_set():
+            break
+        g = int(target[k])
+        if g < 0:
+            records[k].error = "not routed (the placement routes its adapter nowhere)"
+            records[k].sent = records[k].due
+            continue
+        host, port, root = ends[g]
+        tasks[k] = asyncio.ensure_future(_one(host, port, root + "/v1/completions", models[int(req.adapter[k])],
+                                              records[k], t0, prompt_ids(k, records[k].in_len), True))
+    pending = [t for t in tasks.values() if not t.done()]
+    if pending and not stop.is_set():
+        left = t0 + end_s / speed - time.perf_counter()
+        waiter = asyncio.ensure_future(stop.wait())
+        done_all = asyncio.ensure_future(asyncio.wait(pending, timeout=max(0.0, left)))
+        await asyncio.wait([done_all, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        done_all.cancel()
+    for k, t in tasks.items():
+        if not t.done():
+            t.cancel()
+            records[k].error = records[k].error or "unfinished"
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    for k in range(len(records)):
+        if k not in tasks and not records[k].error:
+            records[k].error = NOT_SENT
     return records

@@ -58,7 +58,8 @@ def route_requests(p: Placement, req: Requests, seed: int) -> np.ndarray:
     return gpu
 
 
-def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed: int) -> list[dict]:
+def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed: int,
+              timeseries_s: float | None = None) -> list[dict]:
     gpu_of = route_requests(p, req, seed)
     jobs = []
     for g, (cfg, on) in enumerate(zip(p.gpus, p.by_gpu())):
@@ -69,6 +70,8 @@ def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed
         sel = np.flatnonzero(gpu_of == g)
         adapters = [dataclasses.replace(p.adapters[k], rate=p.adapters[k].rate * w) for k, w in on]
         sc = evaluation_scenario(wl, adapters, engine=cfg, duration_s=duration_s)
+        if timeseries_s:
+            sc["timeseries_interval_s"] = timeseries_s
         jobs.append({"gpu": g, "scenario": sc,
                      "arrival": req.arrival[sel], "adapter": local[req.adapter[sel]].astype(np.int32),
                      "in_len": req.in_len[sel], "out_len": req.out_len[sel]})
@@ -85,10 +88,10 @@ def simulate_gpu_jobs(jobs: list[dict]) -> list[dict]:
                        adapter=np.ascontiguousarray(job["adapter"], np.int32),
                        in_len=np.ascontiguousarray(job["in_len"], np.int32),
                        out_len=np.ascontiguousarray(job["out_len"], np.int32))
-        res = twin.simulate(sc, requests=req)
+        res = twin.simulate(sc, requests=req, timeseries=bool(job.get("timeseries")))
         d = res.to_dict()
         d.update(gpu=job["gpu"], arrived=res.arrived, wall_s=res.wall_s, oom_reason=res.oom_reason,
-                 samples=res.samples or {})
+                 samples=res.samples or {}, timeseries=res.timeseries)
         out.append(d)
     return out
 
@@ -192,7 +195,8 @@ def served_fraction(r, T: float, grace_s: float) -> float:
 def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None = None,
                        duration_s: float | None = None, workers: int | None = None,
                        ray_address: str | None = None, progress: bool = True,
-                       grace_s: float = GRACE_S, criterion: Criterion | None = None) -> dict[str, Any]:
+                       grace_s: float = GRACE_S, criterion: Criterion | None = None,
+                       timeseries_s: float | None = None, raw: list | None = None) -> dict[str, Any]:
     """Replay ``requests`` (default: the workload's evaluation traffic) on every GPU of ``p``.
 
     Starvation verdict per GPU: fewer than rho of the tokens of requests that arrived before
@@ -201,7 +205,9 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
     still running -- several per cent of a short window; a GPU that cannot keep up carries a
     backlog longer than the grace and is caught all the same.  ``grace_s=0`` is that definition;
     both verdicts are in the result (``starving`` and ``starving_window``).  ``criterion``
-    replaces the rho verdict (default: the workload's rho), e.g. by SLO attainment."""
+    replaces the rho verdict (default: the workload's rho), e.g. by SLO attainment.
+    ``timeseries_s``: also record each GPU's running / waiting / KV usage every that many
+    seconds; ``raw``: a list that receives each GPU's raw result (samples, time series)."""
     criterion = criterion or Criterion(rho=wl.rho)
     if not p.gpus:
         raise ScenarioError("placement: no GPUs to evaluate")
@@ -220,7 +226,9 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
                             "placement with the workload it was made for")
     mml = min(g.max_model_len for g in p.gpus)
     req = requests if requests is not None else workload_requests(wl, mml)
-    jobs, unrouted, unrouted_tokens = _gpu_jobs(p, wl, req, T, wl.evaluation.seed)
+    jobs, unrouted, unrouted_tokens = _gpu_jobs(p, wl, req, T, wl.evaluation.seed, timeseries_s)
+    for j in jobs:
+        j["timeseries"] = timeseries_s is not None
     results: list[dict | None] = [None] * len(jobs)
     with tqdm(total=len(jobs), desc="replaying GPUs", unit="gpu", disable=not progress) as bar:
         def done(i: int, rows: list) -> None:
@@ -229,6 +237,15 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
         run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address,
                     what=f"{len(jobs)} GPU replays", report=lambda msg: bar.set_description_str(f"replaying GPUs ({msg})"))
     res: list[dict] = results  # type: ignore[assignment]
+    if raw is not None:
+        raw.extend(res)
+    return evaluation_from_results(p, wl, res, req, T, grace_s, criterion, unrouted, unrouted_tokens)
+
+
+def evaluation_from_results(p: Placement, wl: Workload, res: list[dict], req: Requests, T: float, grace_s: float,
+                            criterion: Criterion, unrouted: int, unrouted_tokens: float) -> dict[str, Any]:
+    """The evaluation of per-GPU results (a twin's, or measured ones in the same dict shape: the
+    ``RESULT_KEYS`` plus ``gpu``, ``arrived``, ``oom_reason`` and ``samples``), combined exactly."""
     per_gpu = []
     counts = [len(on) for on in p.by_gpu()]
     for r, cfg in zip(res, p.gpus):
@@ -277,7 +294,8 @@ def evaluation_table(ev: dict) -> str:
     lines = [f"{'GPU':>3} {'adapters':>8} {'A_max':>5} {'status':>9} {'served':>6} {'incoming':>9} {'thr tok/s':>9} "
              f"{'TTFT mean':>9} {'TTFT p99':>9} {'ITL mean':>8} {'ITL p99':>8}"]
     for g in ev["per_gpu"]:
-        status = "OOM" if g["status"] == "oom" else ("STARVING" if g["starving"] else "ok")
+        status = ("OOM" if g["status"] == "oom" else "DOWN" if g["status"] == "unreachable"
+                  else "STARVING" if g["starving"] else "ok")
         lines.append(f"{g['gpu']:>3} {g['adapters']:>8} {g['max_loras']:>5} {status:>9} {g['served_fraction']:>6.1%} "
                      f"{g['incoming_token_rate']:>9.0f} {g['throughput_tok_s']:>9.0f} "
                      f"{f(g['ttft_ms']['mean'], '9.1f')} {f(g['ttft_ms']['p99'], '9.1f')} "

@@ -1,0 +1,230 @@
+"""A validation run end to end: the placement's requests (``evaluate``'s, same seeds and
+routing) sent to live endpoints, the measured run in the evaluate schema beside the twin's
+prediction on the same requests, SMAPE per metric and per GPU, the per-request CSV, the scraped
+time series, plots, and one MLflow run in experiment ``validation``.  Every file is written
+atomically; an interrupted run (Ctrl-C) writes what it measured."""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+
+from lora_opt.calibration.realruns import smape
+from lora_opt.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from lora_opt.placement.evaluate import (GRACE_S, Criterion, evaluate_placement, evaluation_from_results,
+                                         route_requests, workload_requests)
+from lora_opt.placement.plan import Placement
+from lora_opt.placement.workload_file import Workload
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
+from lora_opt.validate.live import SERIES_COLUMNS, endpoint_versions, run_live, series_rows
+from lora_opt.validate.measure import REQUEST_COLUMNS, bench_summary, gpu_result, request_rows
+
+#: exit statuses of ``lora-opt validate`` (2: bad input, as every command)
+EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED = 0, 3, 130
+#: the metrics compared per GPU (key in the per-GPU comparison)
+COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms", "completed",
+            "running_mean", "waiting_mean", "kv_usage_mean")
+
+
+def _csv(rows: list[dict], columns) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def _series_mean(t: np.ndarray, v: np.ndarray, T: float) -> float:
+    m = (t <= T) & np.isfinite(v)
+    return float(v[m].mean()) if m.any() else math.nan
+
+
+def _gpu_metrics(ev_gpu: dict, series: dict | None, T: float) -> dict:
+    out = {"throughput_tok_s": ev_gpu["throughput_tok_s"], "completed": float(ev_gpu["completed"])}
+    for k in ("ttft", "itl"):
+        d = ev_gpu[f"{k}_ms"] or {}
+        out[f"{k}_mean_ms"] = d.get("mean") if d.get("mean") is not None else math.nan
+        out[f"{k}_p99_ms"] = d.get("p99") if d.get("p99") is not None else math.nan
+    for k in ("running", "waiting", "kv_usage"):
+        out[f"{k}_mean"] = _series_mean(series["time_s"], series[k], T) if series else math.nan
+    return out
+
+
+def compare(real_ev: dict, twin_ev: dict, real_series: dict, twin_series: dict) -> dict:
+    """SMAPE (``lora_opt.calibration.realruns.smape``) per metric (over the GPUs), per GPU (over
+    the metrics) and of the fleet's totals; the compared values beside it."""
+    T = real_ev["duration_s"]
+    real = {g["gpu"]: _gpu_metrics(g, real_series.get(g["gpu"]), T) for g in real_ev["per_gpu"] if g["arrived"]}
+    twin = {g["gpu"]: _gpu_metrics(g, twin_series.get(g["gpu"]), T) for g in twin_ev["per_gpu"] if g["gpu"] in real}
+    gpus = sorted(real)
+    per_metric = {m: smape([twin[g][m] for g in gpus], [real[g][m] for g in gpus]) for m in COMPARED}
+    per_gpu = {str(g): smape([twin[g][m] for m in COMPARED], [real[g][m] for m in COMPARED]) for g in gpus}
+    fleet = {"throughput_tok_s": smape([twin_ev["throughput_tok_s"]], [real_ev["throughput_tok_s"]])}
+    for k in ("ttft_ms", "itl_ms"):
+        for s in ("mean", "p99"):
+            fleet[f"{k[:-3]}_{s}_ms"] = smape([twin_ev[k][s] if twin_ev[k][s] is not None else math.nan],
+                                              [real_ev[k][s] if real_ev[k][s] is not None else math.nan])
+    return {"smape_per_metric": per_metric, "smape_per_gpu": per_gpu, "smape_fleet": fleet,
+            "real": {str(g): real[g] for g in gpus}, "twin": {str(g): twin[g] for g in gpus}}
+
+
+def _real_series(rows: list[dict]) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for g in sorted({r["gpu"] for r in rows}):
+        mine = [r for r in rows if r["gpu"] == g]
+        out[g] = {k: np.array([r[k] for r in mine], float) for k in SERIES_COLUMNS if k != "gpu"}
+    return out
+
+
+def _twin_series(raw: list[dict]) -> dict[int, dict]:
+    return {r["gpu"]: {k: np.asarray(v, float) for k, v in r["timeseries"].items()}
+            for r in raw if r.get("timeseries")}
+
+
+def plot_gpu(g: int, real: dict | None, twin: dict | None, req_rows: list[dict], twin_raw: dict | None) -> bytes:
+    """PNG: real vs twin over time on GPU ``g``: running, waiting, KV usage, TTFT by arrival."""
+    # matplotlib only where plots are drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2).ravel()
+    for ax, key, label in zip(axes, ("running", "waiting", "kv_usage"), ("running", "waiting", "KV cache usage")):
+        if twin is not None:
+            ax.plot(twin["time_s"], twin[key], label="twin", color="tab:blue")
+        if real is not None:
+            ax.plot(real["time_s"], real[key], "o-", ms=3, label="real", color="tab:orange")
+        ax.set_title(f"GPU {g}: {label}")
+        ax.set_xlabel("time (s)")
+        ax.legend()
+    ax = axes[3]
+    if twin_raw is not None and twin_raw.get("samples"):
+        s = twin_raw["samples"]
+        ax.plot(s["arrival_s"][s["done"]], s["ttft_ms"], ".", ms=3, label="twin", color="tab:blue")
+    ok = [r for r in req_rows if r["gpu"] == g and r["status"] == "ok"]
+    ax.plot([r["arrival_s"] for r in ok], [r["ttft_ms"] for r in ok], ".", ms=3, label="real", color="tab:orange")
+    ax.set_title(f"GPU {g}: TTFT by arrival")
+    ax.set_xlabel("arrival (s)")
+    ax.set_ylabel("ms")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def _real_evaluation(p: Placement, wl: Workload, records, req, target, series: dict, T: float, grace_s: float,
+                     speed: float) -> dict:
+    res = []
+    for g in range(len(p.gpus)):
+        s = series.get(g)
+        pre = 0
+        if s is not None and len(s["preemptions_total"]) > 1:
+            pre = int(np.nanmax(s["preemptions_total"]) - np.nanmin(s["preemptions_total"]))
+        res.append(gpu_result(g, records, req, np.flatnonzero(target == g), speed, T, pre, wl.rho))
+    lost = target < 0
+    lost_tokens = float((req.in_len[lost].astype(np.int64) + req.out_len[lost]).sum())
+    ev = evaluation_from_results(p, wl, res, req, T, grace_s, Criterion(rho=wl.rho), int(lost.sum()), lost_tokens)
+    for g, r in zip(ev["per_gpu"], res):
+        g["failed"] = r["failed"]
+    ev["failed"] = sum(r["failed"] for r in res)
+    ev["gpus_unreachable"] = sum(r["status"] == "unreachable" for r in res)
+    return ev
+
+
+def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: str | Path, *, speed: float = 1.0,
+                       scrape_s: float = 5.0, workers: int | None = None, meta: dict | None = None,
+                       tracking_uri: str | None = None, track: bool = True,
+                       progress: bool = True) -> tuple[dict, int]:
+    """Replay ``wl``'s evaluation traffic (``evaluate``'s requests and routing) on the endpoints
+    ``urls`` (GPU -> URL), compare with the twin, write everything under ``out`` and log one
+    MLflow run.  (summary, exit status: ``EXIT_OK``, ``EXIT_FAILED_REQUESTS`` when requests
+    failed, ``EXIT_INTERRUPTED`` after Ctrl-C)."""
+    out = Path(out)
+    T = wl.evaluation.duration_s
+    grace_s = min(GRACE_S, T / 2)
+    req = workload_requests(wl, min(g.max_model_len for g in p.gpus))
+    target = route_requests(p, req, wl.evaluation.seed)
+    models = [a.id for a in p.adapters]
+    versions = endpoint_versions(urls)
+    if progress:
+        print(f"replaying {len(req):,} requests over {T:g} s (x{speed:g}: {T / speed:,.0f} s of wall time) "
+              f"on {len(urls)} endpoint(s); Ctrl-C stops and writes what was measured", flush=True)
+    records, scrapes, interrupted = run_live(urls, req, target, models, speed=speed, end_s=T, scrape_s=scrape_s)
+    url_of = [urls.get(g, "") for g in range(len(p.gpus))]
+    rows = request_rows(records, req, target, url_of, models, speed)
+    srows = series_rows(scrapes)
+    real_series = _real_series(srows)
+    real_ev = _real_evaluation(p, wl, records, req, target, real_series, T, grace_s, speed)
+    twin_raw: list = []
+    twin_ev = evaluate_placement(p, wl, requests=req, duration_s=T, workers=workers, progress=False,
+                                 grace_s=grace_s, timeseries_s=scrape_s, raw=twin_raw)
+    twin_series = _twin_series(twin_raw)
+    comparison = compare(real_ev, twin_ev, real_series, twin_series)
+    bench = bench_summary(records, rows, speed, T)
+    info = {**(meta or {}), "speed": speed, "scrape_s": scrape_s, "duration_s": T, "seed": wl.evaluation.seed,
+            "profile": p.profile, "lengths": wl.evaluation.lengths.source, "requests": int(len(req)), "endpoints": {str(g): u for g, u in urls.items()},
+            "versions": {str(g): v for g, v in versions.items()}, "interrupted": interrupted}
+    _write_outputs(out, info, real_ev, twin_ev, comparison, bench, rows, srows, real_series, twin_series, twin_raw)
+    status = EXIT_INTERRUPTED if interrupted else EXIT_FAILED_REQUESTS if bench["failed"] else EXIT_OK
+    summary = {"info": info, "real": real_ev, "twin": twin_ev, "comparison": comparison, "bench": bench,
+               "exit_status": status}
+    if track:
+        log_run(summary, out, tracking_uri)
+    return summary, status
+
+
+def _write_outputs(out: Path, info, real_ev, twin_ev, comparison, bench, rows, srows, real_series, twin_series,
+                   twin_raw) -> None:
+    atomic_write_json(out / "real.json", {"info": info, **real_ev})
+    atomic_write_json(out / "twin.json", twin_ev)
+    atomic_write_json(out / "comparison.json", comparison)
+    atomic_write_json(out / "bench.json", {"backend": "openai", "endpoint_type": "openai", "label": "lora-opt validate",
+                                           "model_id": info["profile"], "num_prompts": info["requests"],
+                                           "request_rate": "trace", "burstiness": None, "max_concurrency": None,
+                                           **bench, "lora_opt_validate": info})
+    atomic_write_text(out / "requests.csv", _csv(rows, REQUEST_COLUMNS))
+    atomic_write_text(out / "timeseries.csv", _csv(srows, SERIES_COLUMNS))
+    twin_rows = [{"time_s": t, "gpu": g, **{k: s[k][i] for k in ("running", "waiting", "kv_usage")}}
+                 for g, s in sorted(twin_series.items()) for i, t in enumerate(s["time_s"])]
+    atomic_write_text(out / "twin_timeseries.csv", _csv(twin_rows, ("time_s", "gpu", "running", "waiting", "kv_usage")))
+    raw_by_gpu = {r["gpu"]: r for r in twin_raw}
+    for g in sorted(set(real_series) | {int(k) for k in comparison["real"]}):
+        atomic_write_bytes(out / "plots" / f"gpu{g}.png",
+                           plot_gpu(g, real_series.get(g), twin_series.get(g), rows, raw_by_gpu.get(g)))
+
+
+def placement_hash(path: str | Path) -> str:
+    """sha256 of the placement file's bytes (first 16 hex digits)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def log_run(summary: dict, out: Path, tracking_uri: str | None) -> str:
+    """One MLflow run in experiment ``validation``: params, real / twin / SMAPE metrics, the output
+    directory as artifacts.  Returns the run id."""
+    # mlflow only where a run is logged
+    import mlflow
+
+    info = summary["info"]
+    with tracked_run("validation", run_name=f"validate {info.get('placement_hash', '')}",
+                     tracking_uri=tracking_uri) as run:
+        mlflow.log_params({
+            "placement": str(info.get("placement", "")), "placement_hash": info.get("placement_hash", ""),
+            "profile": info["profile"], "seed": info["seed"], "duration_s": info["duration_s"],
+            "speed": info["speed"], "gpu": info.get("gpu") or "", "requests": info["requests"],
+            "endpoint_version": ",".join(sorted(set(info["versions"].values()))),
+            "endpoints": " ".join(info["endpoints"].values())[:500], "interrupted": info["interrupted"]})
+        keys = ("throughput_tok_s", "ttft_ms", "itl_ms", "completed", "requests", "gpus_starving", "failed")
+        log_flat_metrics("real", {k: summary["real"].get(k) for k in keys})
+        log_flat_metrics("twin", {k: summary["twin"].get(k) for k in keys})
+        c = summary["comparison"]
+        log_flat_metrics("smape", {"metric": c["smape_per_metric"], "gpu": c["smape_per_gpu"],
+                                   "fleet": c["smape_fleet"]})
+        log_flat_metrics("bench", {k: v for k, v in summary["bench"].items() if isinstance(v, (int, float))})
+        log_dir(out)
+        return run.info.run_id

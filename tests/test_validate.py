@@ -1,0 +1,246 @@
+"""``lora-opt validate`` against emulated instances (``lora-opt emulate --placement`` on 127.0.0.1,
+free ports, stopped in a finally): the round trip with ``evaluate`` on the same requests, failures
+counted when an endpoint is down, the MLflow run.  Speeds are 10 so each run takes seconds."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from test_emulate import NOISY_MS, ROOT, Emulator, _client, _env, _free_port
+
+GPU = {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 4, "max_num_seqs": 8,
+       "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.9, "max_model_len": 4096}
+ADAPTERS = [{"id": f"ad{i}", "rank": 8 if i < 3 else 16, "rate": 3.5} for i in range(7)]
+ROUTES = {"ad0": [[0, 1.0]], "ad1": [[0, 1.0]], "ad2": [[0, 0.5], [1, 0.5]], "ad3": [[0, 1.0]],
+          "ad4": [[1, 1.0]], "ad5": [[1, 1.0]], "ad6": [[1, 1.0]]}
+#: 60 simulated seconds (6 s of wall time at speed 10, ~1,450 requests), a queue on each GPU (8
+#: sequences; 4 LoRA slots, so no slot contention, whose schedule shifts with every millisecond of
+#: arrival jitter): mean TTFT ~2-4 s on the twin, so the HTTP path's few wall milliseconds (x 10
+#: simulated) stay small against it
+WORKLOAD = {"profile": "llama-3.1-8b-h100-64gb", "rho": 0.9, "adapters": ADAPTERS,
+            "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.9,
+                       "max_model_len": 4096},
+            "evaluation": {"arrivals": {"process": "poisson"},
+                           "lengths": {"source": "mean", "mean_in": 200, "mean_out": 40},
+                           "duration_s": 60, "seed": 3}}
+
+
+def _two_ports() -> int:
+    while True:
+        base = _free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+
+
+@pytest.fixture
+def placement_dir(tmp_path):
+    p = {"profile": "llama-3.1-8b-h100-64gb", "policy": "test", "adapters": ADAPTERS, "gpus": [GPU, GPU],
+         "routes": ROUTES}
+    (tmp_path / "placement.json").write_text(json.dumps(p))
+    (tmp_path / "workload.yaml").write_text(yaml.safe_dump(WORKLOAD))
+    return tmp_path
+
+
+def _validate(placement_dir, endpoints, out, *extra):
+    return subprocess.run([sys.executable, "-m", "lora_opt.cli", "validate", str(placement_dir / "placement.json"),
+                           "--endpoints", *endpoints, "--workload", str(placement_dir / "workload.yaml"),
+                           "--speed", "10", "--scrape-s", "5", "--workers", "1", "--out", str(out),
+                           "--gpu", "emulated-H100", *extra],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+
+
+def _fleet(placement_dir, base):
+    return Emulator(["--placement", str(placement_dir / "placement.json"), "--base-port", str(base),
+                     "--speed", "10"])
+
+
+def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
+    """Real-side throughput within 2 %, mean TTFT and mean ITL within 5 % of evaluate on the same
+    requests.  At speed 10 a wall millisecond is 10 simulated ones: a miss is retried (3 runs); when
+    every run missed and was delayed by the machine (client sending late by more than NOISY_MS at
+    p99, or an instance stepping late by as much) the test is skipped saying so, as the emulator's consistency test does."""
+    tracking = f"sqlite:///{tmp_path}/mlflow.db"
+    quiet_miss = None
+    for attempt in range(3):
+        base = _two_ports()
+        emu = _fleet(placement_dir, base)
+        out = tmp_path / f"run{attempt}"
+        try:
+            r = _validate(placement_dir, [f"http://127.0.0.1:{base}/v1", f"http://127.0.0.1:{base + 1}/v1"], out,
+                          "--tracking-uri", tracking)
+            with _client() as c:
+                lag_p99 = max(c.get(f"http://127.0.0.1:{base + g}/emulator/stats").json()["lag_ms"]["p99"]
+                              for g in (0, 1))
+        finally:
+            assert emu.stop() == 0
+        assert r.returncode == 0, r.stderr + r.stdout
+        real = json.loads((out / "real.json").read_text())
+        twin = json.loads((out / "twin.json").read_text())
+        assert real["requests"] == twin["requests"] > 1000 and real["failed"] == 0
+        ratios = (real["throughput_tok_s"] / twin["throughput_tok_s"], real["ttft_ms"]["mean"] / twin["ttft_ms"]["mean"],
+                  real["itl_ms"]["mean"] / twin["itl_ms"]["mean"])
+        import csv
+        rows = list(csv.DictReader((out / "requests.csv").open()))
+        late = np.array([float(x["sent_s"]) - float(x["arrival_s"]) for x in rows]) / 10 * 1000
+        noisy = max(float(np.percentile(late, 99)), lag_p99) > NOISY_MS
+        print(f"attempt {attempt}: real {real['throughput_tok_s']:.0f} tok/s, TTFT {real['ttft_ms']['mean']:.0f} ms, "
+              f"ITL {real['itl_ms']['mean']:.2f} ms; twin {twin['throughput_tok_s']:.0f}, {twin['ttft_ms']['mean']:.0f}, "
+              f"{twin['itl_ms']['mean']:.2f}; ratios {ratios}; client late p99 {np.percentile(late, 99):.1f} ms, "
+              f"engine lag p99 {lag_p99:.1f} ms wall")
+        if abs(ratios[0] - 1) <= 0.02 and abs(ratios[1] - 1) <= 0.05 and abs(ratios[2] - 1) <= 0.05:
+            break
+        if not noisy:
+            quiet_miss = ratios
+    else:
+        if quiet_miss is None:
+            pytest.skip("every run at speed 10 was delayed by the machine's other jobs (p99 > 5 ms wall)")
+        pytest.fail(f"validate missed evaluate on a quiet run: ratios {quiet_miss}")
+    # the outputs
+    for name in ("comparison.json", "bench.json", "requests.csv", "timeseries.csv", "twin_timeseries.csv",
+                 "plots/gpu0.png", "plots/gpu1.png"):
+        assert (out / name).is_file(), name
+    comp = json.loads((out / "comparison.json").read_text())
+    assert set(comp["smape_per_gpu"]) == {"0", "1"} and comp["smape_fleet"]["throughput_tok_s"] < 2 * 2
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["completed"] > 1000 and bench["failed"] == 0 and bench["mean_ttft_ms"] > 0
+    series = (out / "timeseries.csv").read_text().splitlines()
+    assert series[0].startswith("time_s,gpu,running,waiting,kv_usage") and len(series) > 10
+    assert (out / "plots/gpu0.png").read_bytes()[:4] == b"\x89PNG"
+    # one MLflow run in experiment "validation" per attempt, the last one with everything
+    import mlflow
+    mlflow.set_tracking_uri(tracking)
+    runs = mlflow.search_runs(experiment_names=["validation"], order_by=["start_time DESC"])
+    assert len(runs) == attempt + 1
+    run = runs.iloc[0]
+    assert run["params.profile"] == "llama-3.1-8b-h100-64gb" and run["params.gpu"] == "emulated-H100"
+    assert run["params.endpoint_version"] == "0.8.5" and run["params.seed"] == "3"
+    assert len(run["params.placement_hash"]) == 16
+    for m in ("metrics.real.throughput_tok_s", "metrics.twin.throughput_tok_s", "metrics.smape.fleet.throughput_tok_s",
+              "metrics.real.ttft_ms.mean", "metrics.smape.metric.itl_mean_ms"):
+        assert np.isfinite(run[m]), m
+    arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run["run_id"])}
+    assert {"real.json", "twin.json", "requests.csv", "timeseries.csv", "plots"} <= arts
+
+
+def test_a_down_endpoint_counts_failures_and_still_writes(placement_dir, tmp_path):
+    """GPU 1's endpoint is down (nothing listens): its requests fail, GPU 0's are served; every
+    output is written and the exit status is 3 (requests failed)."""
+    base = _two_ports()
+    down = _free_port()
+    router = {aid: [{"endpoint": f"http://127.0.0.1:{base if g == 0 else down}/v1", "weight": w} for g, w in rs]
+              for aid, rs in ROUTES.items()}
+    (placement_dir / "router.json").write_text(json.dumps(router))
+    emu = _fleet(placement_dir, base)            # GPU 1 listens on base + 1, not where router.json says
+    out = tmp_path / "out"
+    try:
+        r = _validate(placement_dir, [str(placement_dir / "router.json")], out, "--duration", "20", "--no-track")
+    finally:
+        assert emu.stop() == 0
+    assert r.returncode == 3, r.stderr + r.stdout
+    real = json.loads((out / "real.json").read_text())
+    g0, g1 = real["per_gpu"]
+    assert g1["failed"] == g1["arrived"] > 0 and g1["status"] == "unreachable" and g1["completed"] == 0
+    assert g0["failed"] == 0 and g0["completed"] > 0
+    assert real["failed"] == g1["arrived"] and real["gpus_unreachable"] == 1
+    assert real["info"]["versions"] == {"0": "0.8.5", "1": "unreachable"}
+    import csv
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    failed = [x for x in rows if x["status"] == "failed"]
+    assert len(failed) == g1["arrived"] and all(x["gpu"] == "1" and x["error"] for x in failed)
+    assert json.loads((out / "bench.json").read_text())["failed"] == len(failed)
+    assert "DOWN" in r.stdout
+
+
+@pytest.mark.parametrize("endpoints, message", [
+    (["http://127.0.0.1:1/v1"] * 3, "3 URLs for a placement of 2 GPUs"),
+    (["https://127.0.0.1:1", "http://127.0.0.1:2"], "https is not supported"),
+    (["nonexistent.json"], "neither a URL nor a router.json"),
+])
+def test_bad_endpoints_are_input_errors(placement_dir, tmp_path, endpoints, message):
+    r = _validate(placement_dir, endpoints, tmp_path / "o", "--no-track")
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_ctrl_c_writes_what_was_measured(placement_dir, tmp_path):
+    """SIGINT during the replay: the requests sent so far are measured, the rest are ``not_sent``;
+    every output is written and the exit status is 130."""
+    import signal
+    import time
+    base = _two_ports()
+    emu = _fleet(placement_dir, base)
+    out = tmp_path / "out"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "validate", str(placement_dir / "placement.json"),
+                                 "--endpoints", f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}",
+                                 "--workload", str(placement_dir / "workload.yaml"), "--speed", "10", "--duration", "300",
+                                 "--workers", "1", "--no-track", "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        try:
+            assert proc.stdout.readline().startswith("replaying")
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        assert emu.stop() == 0
+    assert proc.returncode == 130, stderr
+    real = json.loads((out / "real.json").read_text())
+    assert real["info"]["interrupted"] is True
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["completed"] > 0 and bench["not_sent"] > 0 and bench["failed"] == 0
+    assert (out / "requests.csv").is_file() and (out / "plots/gpu0.png").is_file()
+    assert "interrupted" in stdout
+
+
+# ---- ingest ------------------------------------------------------------------------------------
+#: a ``vllm bench serve --save-result`` JSON (no --save-detailed), field names as vLLM's
+#: vllm/benchmarks/serve.py writes them: 240 prompts at 4 req/s of 200 / 40 tokens (random dataset)
+BENCH_JSON = ROOT / "tests" / "data" / "vllm_bench_serve_result.json"
+
+
+def test_ingest_bench_serve_json_and_validate_output_rows_replayed_by_fidelity(placement_dir, tmp_path):
+    import pandas as pd
+    from lora_opt.validate.ingest import csv_columns
+    base = _two_ports()
+    emu = _fleet(placement_dir, base)
+    out = tmp_path / "val"
+    try:
+        r = _validate(placement_dir, [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"], out,
+                      "--duration", "30", "--no-track")
+    finally:
+        assert emu.stop() == 0
+    assert r.returncode == 0, r.stderr
+    rows_csv = tmp_path / "rows.csv"
+    r = subprocess.run([sys.executable, "-m", "lora_opt.cli", "ingest", str(BENCH_JSON), str(out), "--placement",
+                        str(placement_dir / "placement.json"), "--gpu-index", "0", "--label", "test", "--out",
+                        str(rows_csv)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = pd.read_csv(rows_csv)
+    assert list(rows.columns[:len(csv_columns())]) == csv_columns() and len(rows) == 3
+    bench = rows.iloc[0]
+    assert bench["experiment"] == "ingested/test" and bench["model"] == "llama-3.1-8b-instruct"
+    assert bench["completed"] == 240 and bench["max_loras"] == 4 and bench["n_served_adapters"] == 4
+    assert bench["adapter_rates"] == "1 1 1 1" and bench["mean_ttft_ms"] == 61.2
+    assert set(rows["source_dir"].iloc[1:]) == {f"{out}#gpu0", f"{out}#gpu1"}
+    r = subprocess.run([sys.executable, "-m", "lora_opt.cli", "fidelity", "--runs", str(rows_csv), "--workers", "1",
+                        "--out", str(tmp_path / "fid")], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    fid = pd.read_csv(tmp_path / "fid" / "runs.csv")
+    assert len(fid) == 3 and (fid["sharegpt_status"] == "ok").all()
+    # the validate rows: the twin on the same flags and rates reproduces the emulator's throughput
+    v = fid[fid["source_dir"].str.contains("#gpu")]
+    assert np.allclose(v["sharegpt_throughput"], v["real_throughput"], rtol=0.1)
