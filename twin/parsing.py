@@ -300,6 +300,25 @@ def _bad_chars(text: str, allow_space: bool = False) -> list[str]:
                    or unicodedata.category(c)[0] in "CZ" and c != " " or (c == " " and not allow_space)})
 
 
+def _launch_text_problems(text, where: str, error: type[Exception], limit: int, *, allow_space: bool) -> list[str]:
+    """What makes ``text`` unsafe on a ``vllm serve`` line, in the checks ids and paths share (the
+    type first: a non-string is refused at once)."""
+    if not isinstance(text, str):
+        raise error(f"{where}: expected a string, got {_short(text)}")
+    problems = []
+    if not text:
+        problems.append("empty")
+    if len(text) > limit:
+        problems.append(f"longer than {limit} characters")
+    bad = _bad_chars(text, allow_space=allow_space)
+    if bad:
+        what = "line breaks, tabs or control characters" if allow_space else "whitespace or control characters"
+        problems.append(f"{what} {', '.join(bad[:3])}")
+    if text.startswith("-"):
+        problems.append("starts with '-'")
+    return problems
+
+
 def check_adapter_id(aid, where: str, error: type[Exception] = ScenarioError) -> str:
     """The one rule for an adapter id, given or generated from a group prefix: it becomes
     ``--lora-modules id=path`` on a ``vllm serve`` line, a router key and the default path
@@ -307,18 +326,8 @@ def check_adapter_id(aid, where: str, error: type[Exception] = ScenarioError) ->
     whitespace or control characters (one command per line), ``=`` (vLLM splits ``name=path`` on
     it), ``,`` (vLLM reads a value with one as JSON), a leading ``-`` (read as a flag) or ``..``
     (the default path would leave ``adapters/``)."""
-    if not isinstance(aid, str):
-        raise error(f"{where}: expected a string, got {_short(aid)}")
-    problems = []
-    if not aid:
-        problems.append("empty")
-    if len(aid) > MAX_ID_CHARS:
-        problems.append(f"longer than {MAX_ID_CHARS} characters")
-    if _bad_chars(aid):
-        problems.append(f"whitespace or control characters {', '.join(_bad_chars(aid)[:3])}")
+    problems = _launch_text_problems(aid, where, error, MAX_ID_CHARS, allow_space=False)
     problems += [f"contains {c!r}" for c in ("=", ",", "..") if c in aid]
-    if aid.startswith("-"):
-        problems.append("starts with '-'")
     if problems:
         raise error(f"{where}: adapter id {_short(aid)} is not allowed ({'; '.join(problems)}); ids become "
                     "--lora-modules id=path: no whitespace, control characters, '=', ',', '..' or leading '-'")
@@ -329,20 +338,10 @@ def check_adapter_path(path, where: str, error: type[Exception] = ScenarioError)
     """An adapter checkpoint path (or hub id) safe on a ``--lora-modules id=path`` line: non-empty,
     at most :data:`MAX_PATH_CHARS` characters, no line breaks, tabs or control characters, no ``=`` or
     ``,`` and no ``..`` component (plain spaces are allowed: the commands are shell-quoted)."""
-    if not isinstance(path, str):
-        raise error(f"{where}: expected a string, got {_short(path)}")
-    problems = []
-    if not path:
-        problems.append("empty")
-    if len(path) > MAX_PATH_CHARS:
-        problems.append(f"longer than {MAX_PATH_CHARS} characters")
-    if _bad_chars(path, allow_space=True):
-        problems.append(f"line breaks, tabs or control characters {', '.join(_bad_chars(path, True)[:3])}")
+    problems = _launch_text_problems(path, where, error, MAX_PATH_CHARS, allow_space=True)
     problems += [f"contains {c!r}" for c in ("=", ",") if c in path]
     if ".." in path.replace("\\", "/").split("/"):
         problems.append("has a '..' component")
-    if path.startswith("-"):
-        problems.append("starts with '-'")
     if problems:
         raise error(f"{where}: adapter path {_short(path)} is not allowed ({'; '.join(problems)})")
     return path
