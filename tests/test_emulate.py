@@ -343,7 +343,13 @@ def test_placement_fleet_one_instance_per_gpu_and_clean_sigterm(tmp_path):
             assert c.post(g0 + "/v1/completions", json={"model": "ad0", "prompt": "hi"}).status_code == 404
             assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "ad0", "lora_path": "p"}).status_code == 200
             assert c.post(g0 + "/v1/completions", json={"model": "ad0", "prompt": "hi", "max_tokens": 2}).status_code == 200
+            # a new adapter takes a spare runtime slot, is listed and served; loading it twice is refused
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "p"}).status_code == 200
+            assert "new" in [m["id"] for m in c.get(g0 + "/v1/models").json()["data"]]
+            r = c.post(g0 + "/v1/completions", json={"model": "new", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "p"}).status_code == 400
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "other"}).status_code == 400   # no path
     finally:
         rc = emu.stop()
     assert ids == [["ad0", "ad1", "ad2"], ["ad2", "ad3", "ad4"]]

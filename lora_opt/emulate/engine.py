@@ -46,21 +46,26 @@ COALESCE_WALL_S = 0.0005
 #: the adapter index base-model requests run on (see :func:`online_scenario`)
 BASE_ADAPTER = 0
 BASE_ID = "__base_model__"
+#: ids of the spare adapters runtime-loaded adapters take (see :func:`online_scenario`)
+RUNTIME_ID = "__runtime_lora_"
 #: steps whose lag is kept (the latest)
 LAG_SAMPLES = 200_000
 
 
-def online_scenario(sc: Scenario) -> Scenario:
+def online_scenario(sc: Scenario, runtime_slots: int = 0, runtime_rank: int = 16) -> Scenario:
     """The scenario an emulator's kernel runs: the same adapters after one more at index 0 for
     base-model requests (the kernel has no request without an adapter: a base-model request takes
     a LoRA slot of the smallest rank; placed first, it is not resident at start-up, so the
-    adapters' start-up residency is vLLM's), a session-long window, no early stop and no time
-    series."""
+    adapters' start-up residency is vLLM's) and ``runtime_slots`` spare adapters of rank
+    ``runtime_rank`` at indices 1..runtime_slots (the kernel's adapter table is fixed: adapters
+    loaded at run time through /v1/load_lora_adapter take these), a session-long window, no early
+    stop and no time series."""
     base = AdapterGroup(rank=min(g.rank for g in sc.adapters), rate=1.0, id=BASE_ID)
+    spares = tuple(AdapterGroup(rank=runtime_rank, rate=1.0, id=f"{RUNTIME_ID}{k}") for k in range(runtime_slots))
     # dataclasses.replace, not twin.scenario.replace: the user's scenario was validated when it was
     # built; this session-long window draws no requests from the rates (they come over HTTP), so the
     # size limits on a window's drawn requests (twin.scenario.check_sizes) do not apply to it
-    return dataclasses.replace(sc, adapters=(base, *sc.adapters), duration_s=SESSION_S, early_stop=False,
+    return dataclasses.replace(sc, adapters=(base, *spares, *sc.adapters), duration_s=SESSION_S, early_stop=False,
                                timeseries_interval_s=SESSION_S)
 
 
@@ -103,8 +108,8 @@ class OnlineEngine:
     ``token(req, itl)``, ``queued(req, queue_s)``, ``finished(req)`` in simulated seconds."""
 
     def __init__(self, sc: Scenario, profile: Profile, eng: dict, kv_tokens: int, *, speed: float = 1.0,
-                 seed: int = 0, observer=None):
-        self.sc = online_scenario(sc)
+                 seed: int = 0, observer=None, runtime_slots: int = 0):
+        self.sc = online_scenario(sc, runtime_slots, eng["max_lora_rank"])
         self.profile, self.eng, self.speed = profile, eng, float(speed)
         empty = Requests(arrival=np.zeros(0), adapter=np.zeros(0, np.int32), in_len=np.zeros(0, np.int32),
                          out_len=np.zeros(0, np.int32))

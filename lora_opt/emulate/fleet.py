@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lora_opt.emulate.engine import OnlineEngine
+from lora_opt.emulate.engine import RUNTIME_ID, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
 from lora_opt.emulate.router import RouteTable, build_router_app
 from lora_opt.emulate.server import Instance, build_app
+
+#: adapters an instance can load at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING) beyond those it started with
+RUNTIME_LORA_SLOTS = 32
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
 from twin.flags import VLLM_LORA_RANKS
@@ -68,11 +71,14 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
         raise StartupError(f"{spec.name}: {_vllm_oom_message(reason, eng)}")
     ids, _, _ = sc.adapter_table()
     model = spec.served_model_name or profile.model.name
-    metrics = EngineMetrics(model, ids, eng["max_loras"])
-    engine = OnlineEngine(sc, profile, eng, kv_tokens, speed=speed, seed=seed, observer=metrics)
-    return Instance(engine=engine, model=model, adapters={a: k + 1 for k, a in enumerate(ids)},
+    spares = RUNTIME_LORA_SLOTS if runtime_lora_updating else 0
+    # engine index 0: base-model requests; 1..spares: slots for adapters loaded at run time
+    metrics = EngineMetrics(model, [f"{RUNTIME_ID}{k}" for k in range(spares)] + list(ids), eng["max_loras"])
+    engine = OnlineEngine(sc, profile, eng, kv_tokens, speed=speed, seed=seed, observer=metrics,
+                          runtime_slots=spares)
+    return Instance(engine=engine, model=model, adapters={a: k + 1 + spares for k, a in enumerate(ids)},
                     vllm_version=profile.vllm_version, metrics=metrics, max_model_len=eng["max_model_len"],
-                    runtime_lora_updating=runtime_lora_updating)
+                    runtime_lora_updating=runtime_lora_updating, free_slots=list(range(1, 1 + spares)))
 
 
 # ---- specs -----------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ class Instance:
     metrics: EngineMetrics
     max_model_len: int
     runtime_lora_updating: bool = False
+    free_slots: list = field(default_factory=list)
+    """Engine indices not yet taken by an adapter loaded at run time."""
     loaded: set = field(default_factory=set)
 
     def __post_init__(self):
@@ -198,9 +200,10 @@ def build_app(inst: Instance):
 
 
 def _lora_update(inst: Instance, raw: bytes, load: bool):
-    """vLLM's runtime adapter (un)loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).  The emulator's
-    kernel has a fixed adapter table: an adapter of the instance can be unloaded and loaded back;
-    an adapter it was not started with cannot be loaded (400, saying so)."""
+    """vLLM's runtime adapter (un)loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).  The kernel's
+    adapter table is fixed, so a new adapter takes one of the instance's spare slots (made at
+    start-up, rank ``--max-lora-rank``: its load costs are that rank's); an unloaded adapter can be
+    loaded back into its own slot; a slot is never reused for another adapter (its cache state)."""
     from starlette.responses import PlainTextResponse
     try:
         if not inst.runtime_lora_updating:
@@ -217,9 +220,14 @@ def _lora_update(inst: Instance, raw: bytes, load: bool):
             if name in inst.loaded:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.")
             if name not in inst.adapters:
-                raise APIError(400, f"The emulator cannot add adapter '{name}': it serves the adapters it "
-                                    "was started with (--lora-modules / the placement); unloaded ones can be "
-                                    "loaded back.")
+                if not inst.free_slots:
+                    raise APIError(400, f"The emulator cannot add adapter '{name}': all its runtime LoRA slots "
+                                        "are taken (lora_opt.emulate.fleet.RUNTIME_LORA_SLOTS).")
+                if not isinstance(body.get("lora_path"), str) or not body["lora_path"]:
+                    raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+                index = inst.free_slots.pop(0)
+                inst.adapters[name] = index
+                inst.metrics.adapter_ids[index - 1] = name
             inst.loaded.add(name)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
         if name not in inst.loaded:
