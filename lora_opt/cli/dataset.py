@@ -5,12 +5,14 @@ import argparse
 
 from lora_opt.cli.common import add_ray_flags, add_tracking_flag, int_range
 from lora_opt.surrogates.dataset import GRIDS_DIR
+from twin.profile import bundled_profiles
 
 
 def register(sub) -> None:
     grids = ", ".join(sorted(f.stem for f in GRIDS_DIR.glob("*.yaml")))
     d = sub.add_parser("dataset", help="label a grid of single-GPU configurations with the twin (Ray, resumable)")
-    d.add_argument("--profile", help="profile name or path (default: the grid file's profile)")
+    d.add_argument("--profile", help="profile YAML, or a bundled profile name "
+                                     f"({', '.join(bundled_profiles())}; default: the grid file's profile)")
     d.add_argument("--grid", required=True, help=f"grid YAML, or a bundled grid name ({grids})")
     d.add_argument("--out", required=True, help="dataset directory (Parquet shards); rerun to resume")
     add_ray_flags(d)

@@ -7,6 +7,7 @@ import os
 import sys
 
 from lora_opt.cli.common import finite_float, int_range
+from twin.profile import bundled_profiles
 
 PORT = int_range(0, 65535)
 
@@ -18,7 +19,8 @@ def register(sub) -> None:
     src.add_argument("--scenario", help="one instance: a scenario file (profile, adapters, engine flags, lengths)")
     src.add_argument("--placement", help="a fleet: DIR/placement.json, one instance per GPU on the ports its "
                                          "router.json names (or --base-port + GPU index)")
-    e.add_argument("--profile", help="one instance from vLLM's flags: the model profile (bundled name or YAML)")
+    e.add_argument("--profile", help="one instance from vLLM's flags: the model profile (YAML, or a bundled "
+                                     f"name: {', '.join(bundled_profiles())})")
     e.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="the adapters (vLLM's flag; rank from PATH/adapter_config.json, else --max-lora-rank)")
     count = int_range(1, 10_000_000)
