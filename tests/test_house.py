@@ -153,3 +153,24 @@ def test_module_size():
     offenders = [f"{name}: {path.read_text().count(chr(10))} lines" for name, path in MODULES.items()
                  if path.read_text().count("\n") > MAX_MODULE_LINES]
     assert offenders == []
+
+
+def test_package_data_patterns_match_files():
+    """Every package-data pattern in pyproject.toml names files that exist (a pattern that matches
+    nothing builds a wheel silently missing them)."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = data.get("tool", {}).get("setuptools", {}).get("package-data", {})
+    empty = [f"{pkg}: {pat}" for pkg, pats in patterns.items() for pat in pats
+             if not any(p.is_file() for p in (ROOT / pkg.replace(".", "/")).glob(pat))]
+    assert empty == []
+
+
+def test_missing_bundled_profiles_directory_is_a_clean_error(monkeypatch, tmp_path):
+    from twin import profile
+    from twin.errors import ScenarioError
+
+    monkeypatch.setattr(profile, "PROFILES_DIR", tmp_path / "nowhere")
+    with pytest.raises(ScenarioError, match="not from a wheel yet"):
+        profile.load_profile("llama-3.1-8b-h100-64gb")

@@ -363,6 +363,10 @@ def load_profile(name_or_path: str | Path) -> Profile:
     p = Path(name_or_path)
     if p.suffix.lower() not in (".yaml", ".yml", ".json") and "/" not in str(name_or_path):
         cand = PROFILES_DIR / f"{name_or_path}.yaml"
+        if not PROFILES_DIR.is_dir():
+            raise ScenarioError(f"profile: the bundled profiles are not here ({PROFILES_DIR} does not exist): "
+                                "lora-opt runs from its repository checkout (pip install -e .), not from a "
+                                "wheel yet; or give a path to a profile YAML")
         if not cand.exists():
             raise ScenarioError(f"profile: unknown profile {str(name_or_path)!r}; bundled profiles: "
                                 f"{bundled_profiles()} (or give a path to a profile YAML)")
