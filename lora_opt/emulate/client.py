@@ -58,7 +58,7 @@ def summarise(records: list[Record], speed: float, duration_s: float) -> Summary
         if r.status != 200 or len(r.token_times) < r.out_len:
             errors += r.status != 200
             continue
-        t = (np.asarray(r.token_times) - 0.0) * speed
+        t = np.asarray(r.token_times) * speed
         if t[-1] <= duration_s:
             done += 1
             tok += r.in_len + r.out_len
@@ -67,7 +67,7 @@ def summarise(records: list[Record], speed: float, duration_s: float) -> Summary
         gaps.extend(g.tolist())
     n_tokens = sum(len(r.token_times) for r in records)
     late = np.array([r.sent - r.due for r in records]) * 1000.0
-    return Summary(send_late_p99_ms=float(np.percentile(late, 99)) if late.size else 0.0,completed=done, throughput_tok_s=tok / duration_s,
+    return Summary(send_late_p99_ms=float(np.percentile(late, 99)) if late.size else 0.0, completed=done, throughput_tok_s=tok / duration_s,
                    ttft_mean_ms=float(np.mean(ttft) * 1000) if ttft else float("nan"),
                    itl_mean_ms=float(np.mean(gaps) * 1000) if gaps else float("nan"), errors=errors,
                    tokens=n_tokens)

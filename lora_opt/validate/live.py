@@ -75,40 +75,18 @@ def resolve_endpoints(p: Placement, endpoints: list[str]) -> dict[int, str]:
 
 
 async def _get(url: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    """A small GET (raw HTTP/1.1, ``Connection: close``): (status, body); (0, b"") when unreachable."""
+    """A small GET (``/version``, ``/metrics``): (status, body); (0, b"") when unreachable.  httpx
+    here (a few requests a minute); the streaming client stays raw HTTP (lora_opt.emulate.client)."""
+    import httpx  # only when validating: keeps the CLI's start-up light
+
     host, port, root = split_url(url)
-    writer = None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        writer.write(f"GET {root}{path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
-        data = await asyncio.wait_for(reader.read(-1), timeout)
-    except (OSError, asyncio.TimeoutError, ValueError):
+        # trust_env=False: never route the endpoints through a proxy from the environment
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            r = await client.get(f"http://{host}:{port}{root}{path}")
+    except (httpx.HTTPError, OSError, ValueError):
         return 0, b""
-    finally:
-        if writer is not None:
-            writer.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    try:
-        status = int(head.split(b"\r\n", 1)[0].split()[1])
-    except (IndexError, ValueError):
-        return 0, b""
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _dechunk(body)
-    return status, body
-
-
-def _dechunk(body: bytes) -> bytes:
-    out, i = [], 0
-    while i < len(body):
-        j = body.find(b"\r\n", i)
-        if j < 0:
-            break
-        n = int(body[i:j].split(b";")[0] or b"0", 16)
-        if n == 0:
-            break
-        out.append(body[j + 2:j + 2 + n])
-        i = j + 2 + n + 2
-    return b"".join(out)
+    return r.status_code, r.content
 
 
 def endpoint_versions(urls: dict[int, str]) -> dict[int, str]:
