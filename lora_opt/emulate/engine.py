@@ -281,7 +281,7 @@ class OnlineEngine:
     def gauges(self) -> dict:
         running, waiting, kv_used, kv_blocks, preemptions, resident, t = gauges(self.state)
         return {"running": int(running), "waiting": int(waiting), "kv_usage": kv_used / max(1, kv_blocks),
-                "preemptions": int(preemptions), "resident_adapters": int(resident), "sim_t": float(t)}
+                "kv_blocks": int(kv_blocks), "preemptions": int(preemptions), "resident_adapters": int(resident), "sim_t": float(t)}
 
     def report(self) -> dict:
         """The emulator's own numbers (``GET /emulator/stats``, not a vLLM endpoint): clocks, steps,

@@ -21,6 +21,7 @@ RUNTIME_LORA_SLOTS = 32
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
 from twin.flags import VLLM_LORA_RANKS
+from twin.profile import LoadingSpec
 from twin.scenario import Scenario, build_scenario, load_scenario, replace
 
 #: lengths the emulator draws EOS stops from when only flags are given
@@ -42,6 +43,8 @@ class InstanceSpec:
     name: str = "instance"
     gpu: int | None = None
     """The placement's GPU index (fleets)."""
+    enable_lora: bool = True
+    """False: vLLM without ``--enable-lora`` (base model only: no LoRA cost, no slots, no loads)."""
 
     @property
     def endpoint(self) -> str:
@@ -67,9 +70,14 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
     starts, kv_tokens, reason = profile.startup_check(
         eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"], eng["max_num_batched_tokens"],
         eng["max_model_len"], eng["max_num_seqs"])
+    if not spec.enable_lora:
+        profile, kv_tokens, ids = _without_lora(profile, eng)
+        starts = kv_tokens >= eng["max_model_len"]
+        reason = f"KV cache holds {max(kv_tokens, 0)} tokens < max_model_len {eng['max_model_len']}"
     if not starts:
         raise StartupError(f"{spec.name}: {_vllm_oom_message(reason, eng)}")
-    ids, _, _ = sc.adapter_table()
+    if spec.enable_lora:
+        ids, _, _ = sc.adapter_table()
     model = spec.served_model_name or profile.model.name
     spares = RUNTIME_LORA_SLOTS if runtime_lora_updating else 0
     # engine index 0: base-model requests; 1..spares: slots for adapters loaded at run time
@@ -79,6 +87,17 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
     return Instance(engine=engine, model=model, adapters={a: k + 1 + spares for k, a in enumerate(ids)},
                     vllm_version=profile.vllm_version, metrics=metrics, max_model_len=eng["max_model_len"],
                     runtime_lora_updating=runtime_lora_updating, free_slots=list(range(1, 1 + spares)))
+
+
+def _without_lora(profile, eng: dict):
+    """vLLM without ``--enable-lora``: no LoRA kernels (no LoRA cost), no slots (all memory after the
+    activations goes to KV), no adapter loads; the kernel's base-model adapter carries the requests."""
+    zero = {r: 0.0 for r in VLLM_LORA_RANKS}
+    profile = dataclasses.replace(profile, latency=dataclasses.replace(profile.latency, lora={}),
+                                  loading=LoadingSpec(cpu_to_gpu_ms=zero, disk_to_cpu_ms=dict(zero)))
+    kv = profile.kv_capacity_tokens(eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
+                                    eng["max_num_batched_tokens"], enable_lora=False, max_num_seqs=eng["max_num_seqs"])
+    return profile, kv, []
 
 
 # ---- specs -----------------------------------------------------------------------------------
@@ -111,11 +130,15 @@ def parse_lora_modules(modules: list[str], default_rank: int) -> list[dict]:
 
 def spec_from_flags(profile: str, modules: list[str], engine: dict, *, port: int, host: str,
                     served_model_name: str | None = None, lengths: str = DEFAULT_LENGTHS) -> InstanceSpec:
-    """One instance from vLLM's own flags (``engine``: EngineFlags names, None = profile default)."""
+    """One instance from vLLM's own flags (``engine``: EngineFlags names, None = profile default);
+    no ``modules``: vLLM without ``--enable-lora`` (the base model only)."""
     rank = engine.get("max_lora_rank") or 16
     adapters = parse_lora_modules(modules, rank)
-    if not adapters:
-        raise InputError("--lora-modules: at least one adapter (the emulator serves LoRA adapters)")
+    if not adapters:                    # the scenario needs an adapter; a no-LoRA instance serves none
+        sc = build_scenario(profile, [{"id": "no-lora", "rank": rank, "rate": 1.0}],
+                            engine={k: v for k, v in engine.items() if v is not None}, lengths=lengths, where="flags")
+        return InstanceSpec(sc, port=port, host=host, served_model_name=served_model_name, name="instance",
+                            enable_lora=False)
     if engine.get("max_lora_rank") is None:
         engine = {**engine, "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= max(a["rank"] for a in adapters))}
     sc = build_scenario(profile, adapters, engine={k: v for k, v in engine.items() if v is not None},

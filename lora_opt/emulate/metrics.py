@@ -104,6 +104,11 @@ class _EngineCollector:
         for reason in ("stop", "length", "abort"):
             ok.add_metric([*values, reason], st.success[reason])
         yield ok
+        cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  labels=["block_size", "num_gpu_blocks", "gpu_memory_utilization"])
+        cache.add_metric([str(eng.profile.memory.block_size), str(g["kv_blocks"]),
+                          str(eng.eng["gpu_memory_utilization"])], 1.0)
+        yield cache
         running, waiting = eng.lora_usage()
         ids = ["", *m.adapter_ids]              # index 0: base-model requests (no adapter)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
