@@ -13,12 +13,12 @@ import sys
 
 from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
 from lora_opt.cli import (bench, calibrate, calibrate_e2e, dataset, emulate, evaluate, fidelity, ingest, pareto,
-                          place, search, simulate, train, validate)
+                          place, probe, search, simulate, train, validate)
 from lora_opt.errors import BAD_INPUT
 
 #: the commands, in the order ``lora-opt --help`` lists them
 COMMANDS = (simulate, bench, calibrate, calibrate_e2e, dataset, train, place, evaluate, search, pareto, fidelity,
-            emulate, validate, ingest)
+            emulate, validate, ingest, probe)
 
 
 def build_parser() -> argparse.ArgumentParser:

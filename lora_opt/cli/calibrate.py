@@ -7,7 +7,8 @@ import argparse
 def register(sub) -> None:
     c = sub.add_parser("calibrate", help="fit a profile's estimators on real vLLM measurements")
     c.add_argument("--runs", required=True, help="CSV of real runs (data/real_runs/real_runs_vllm_lora.csv)")
-    c.add_argument("--model", required=True, help="model name as in the CSV's model column")
+    c.add_argument("--model", required=True, help="model name as in the CSV's model column (lora-opt probe rows: "
+                                                  "the profile whose model dimensions and memory model are kept)")
     c.add_argument("--out", required=True, help="profile YAML to write")
     c.add_argument("--report", help="directory for the fit report (markdown + PNG)")
     c.set_defaults(run=run)
@@ -15,8 +16,13 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
+    from lora_opt.calibration.probe_fit import calibrate_probe, is_probe_table
     from lora_opt.calibration.profile_fit import calibrate
 
+    if is_probe_table(args.runs):
+        calibrate_probe(args.runs, args.model, args.out)
+        print(f"profile -> {args.out} (fitted on lora-opt probe rows)")
+        return 0
     calibrate(args.runs, args.model, args.out, report_dir=args.report)
     print(f"profile -> {args.out}" + (f"; report -> {args.report}" if args.report else ""))
     return 0
