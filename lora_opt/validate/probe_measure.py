@@ -36,7 +36,7 @@ BURST_GAP = 0.25
 #: a window with more burst gaps than this share is repeated (the machine, not the server, was measured)
 MAX_BURST_SHARE = 0.03
 #: pacer steps a load burst is given to finish in
-BURST_WINDOW_STEPS = 16
+BURST_WINDOW_STEPS = 40
 
 
 async def _send(url: str, model: str, in_len: int, max_tokens: int, t0: float, k: int) -> Record:

@@ -36,7 +36,9 @@ def lora_command(base: ServeCommand, plan: Plan, rank: int, adapter_path: str, m
     a = max_loras or plan.max_loras
     k = plan.load_burst
     path = adapter_path.format(rank=rank)
-    names = ([f"{DISK}{i}" for i in range(k)] + [f"{CPU}{i}" for i in range(k)] + [f"{GPU}{i}" for i in range(a)])
+    # (a start-up launch with many slots lists no more adapters than the LoRA family uses)
+    names = ([f"{DISK}{i}" for i in range(k)] + [f"{CPU}{i}" for i in range(k)]
+             + [f"{GPU}{i}" for i in range(min(a, plan.max_loras))])
     return base.with_options(drop=LORA_OPTIONS, enable_lora=True, max_loras=a, max_lora_rank=rank,
                              max_cpu_loras=a + k, max_num_seqs=max(plan.max_batch, int(base.flag("--max-num-seqs", 0))),
                              lora_modules=[f"{n}={path}" for n in names])
