@@ -62,10 +62,13 @@ def run(args: argparse.Namespace) -> int:
     launch = read_launch(args.launch, args.gpu_index) if args.launch else None
     s = probe(opts, launch=launch, endpoint=args.endpoint, track=not args.no_track, tracking_uri=args.tracking_uri)
     fams = ", ".join(f"{k} {v['ok']} ok" + (f" / {v['failed']} failed" if v["failed"] else "")
-                     for k, v in s["families"].items())
+                     + (f" / {v['noisy']} noisy" if v.get("noisy") else "") for k, v in s["families"].items())
     print(f"probe ({s['plan']}, {s['wall_s']:.0f} s, server {s['version'] or '?'}): {fams}")
     print(f"wrote {args.out}/rows.csv, summary.json" + (", logs/" if launch else "")
           + (f"; MLflow run {s['mlflow_run_id']} (experiment probe)" if s.get("mlflow_run_id") else ""))
     print(f"next: lora-opt calibrate --runs {args.out}/rows.csv --model PROFILE --out PROFILE.yaml")
-    failed = sum(v["failed"] for v in s["families"].values())
+    failed = sum(v["failed"] + v.get("noisy", 0) for v in s["families"].values())
+    if any(v.get("noisy") for v in s["families"].values()):
+        print("noisy rows (not fitted by calibrate): the machine could not keep time at this --speed; "
+              "rerun slower or on a quieter machine")
     return 3 if failed else 0

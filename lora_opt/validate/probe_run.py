@@ -152,7 +152,8 @@ def write_outputs(rows: list[dict], info: dict, opts: ProbeOptions, source: str,
     fams: dict[str, dict] = {}
     for r in rows:
         f = fams.setdefault(r["probe_family"], {"ok": 0, "failed": 0})
-        f["ok" if r["status"] == "ok" else "failed"] += 1
+        key = r["status"] if r["status"] in ("ok", "noisy") else "failed"
+        f[key] = f.get(key, 0) + 1
     summary = {"source": source, "plan": opts.plan.name, "model": opts.model, "speed": opts.speed,
                "server_cmd": opts.server_cmd, "version": info.get("version", ""), "wall_s": wall_s,
                "families": fams, "launches": info.get("launches", []), "rows": len(rows),
