@@ -163,3 +163,30 @@ def test_kv_tokens_from_vllm_metrics():
             'num_gpu_blocks="20780",num_cpu_blocks="0"} 1.0\n')
     assert kv_tokens_from_metrics(text) == 20780 * 16
     assert np.isnan(kv_tokens_from_metrics("vllm:num_requests_running 0\n"))
+
+
+# ---- the runbook -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_runbook_dry_run_on_emulator(tmp_path):
+    """experiments/real_validation/run.py end to end with lora-opt emulate standing in for vllm serve:
+    place -> probe -> launch the fleet -> validate -> ingest -> calibrate, the MLflow runs, the bundle."""
+    import subprocess
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    server = f"{sys.executable} -m lora_opt.cli emulate --profile {BASE} --speed 1"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "real_validation" / "run.py"), "--gpus", "3",
+                           "--plan", "smoke", "--duration", "20", "--speed", "1", "--server-cmd", server,
+                           "--out", str(tmp_path / "rv"), "--tracking-uri", uri, "--gpu-name", "emulated"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rv = tmp_path / "rv"
+    summary = json.loads((rv / "summary.json").read_text())
+    assert summary["exit"]["calibrate"] == 0 and summary["exit"]["probe"] in (0, 3)
+    assert set(summary["step_s"]) == {"place", "probe", "launch", "validate", "ingest", "calibrate"}
+    for f in ("probe/rows.csv", "validation/comparison.json", "ingested_rows.csv", "fitted_profile.yaml",
+              "profile_vs_probe.txt", "environment.json"):
+        assert (rv / f).is_file(), f
+    assert (tmp_path / "rv_send_back.tar.gz").is_file()
+    import mlflow
+    mlflow.set_tracking_uri(uri)
+    for exp in ("probe", "validation", "real_validation"):
+        assert len(mlflow.search_runs(experiment_names=[exp], output_format="list")) == 1, exp

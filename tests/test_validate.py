@@ -244,3 +244,41 @@ def test_ingest_bench_serve_json_and_validate_output_rows_replayed_by_fidelity(p
     # the validate rows: the twin on the same flags and rates reproduces the emulator's throughput
     v = fid[fid["source_dir"].str.contains("#gpu")]
     assert np.allclose(v["sharegpt_throughput"], v["real_throughput"], rtol=0.1)
+
+
+def _history_log(path, n=80, span=12.0, seed=5):
+    rng = np.random.default_rng(seed)
+    t = np.sort(rng.uniform(0.0, span, n))
+    lines = ["timestamp_s,adapter,input_tokens,output_tokens"]
+    lines += [f"{x:.4f},ad{rng.integers(0, 7)},{rng.integers(50, 400)},{rng.integers(5, 60)}" for x in t]
+    path.write_text("\n".join(lines) + "\n")
+    return t
+
+
+def test_history_requests_cut_at_the_duration(placement_dir, tmp_path):
+    """--history: the log's requests, in the workload's adapter order, those before --duration."""
+    from lora_opt.cli.validate import _log_requests
+    from lora_opt.placement.workload_file import load_workload
+    t = _history_log(tmp_path / "log.csv")
+    wl = load_workload(placement_dir / "workload.yaml")
+    req, span = _log_requests(wl, str(tmp_path / "log.csv"), 6.0)
+    assert len(req) == int((t - t.min() < 6.0).sum()) and req.arrival.max() < 6.0
+    assert span == pytest.approx(t.max() - t.min(), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_validate_history_replays_the_log_on_both_sides(placement_dir, tmp_path):
+    _history_log(tmp_path / "log.csv")
+    base = _two_ports()
+    emu = _fleet(placement_dir, base)
+    try:
+        r = _validate(placement_dir, [f"http://127.0.0.1:{base}/v1", f"http://127.0.0.1:{base + 1}/v1"],
+                      tmp_path / "out", "--history", str(tmp_path / "log.csv"), "--duration", "20", "--no-track")
+    finally:
+        assert emu.stop() == 0
+    assert r.returncode == 0, r.stderr + r.stdout
+    real = json.loads((tmp_path / "out" / "real.json").read_text())
+    twin = json.loads((tmp_path / "out" / "twin.json").read_text())
+    assert real["requests"] == twin["requests"] == 80 and real["failed"] == 0
+    assert "--trace" in subprocess.run([sys.executable, "-m", "lora_opt.cli", "validate", "--help"], capture_output=True,
+                                       text=True, env=_env(), cwd=ROOT).stdout

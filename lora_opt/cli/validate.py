@@ -6,7 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from lora_opt.cli.common import POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range
+from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range
+from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
+from twin.workload import TRACES
 
 
 def register(sub) -> None:
@@ -18,7 +20,19 @@ def register(sub) -> None:
                         "(http://HOST:PORT[/v1]) in GPU order: one per GPU of the placement or one per used GPU")
     v.add_argument("--workload", help="workload file (its evaluation section: arrivals, lengths, seed); default: "
                                       "Poisson at the placement's rates")
-    v.add_argument("--duration", type=POSITIVE_S, help="replayed (simulated) seconds (default: the workload's)")
+    src = v.add_mutually_exclusive_group()          # the request sources, as evaluate takes them
+    src.add_argument("--arrivals", choices=list(ARRIVAL_PROCESSES), help="arrival process (as evaluate)")
+    src.add_argument("--trace", help=f"trace to replay ({', '.join(TRACES)}, or a CSV); implies --arrivals trace")
+    src.add_argument("--history", metavar="LOG.csv",
+                     help="replay these requests (timestamp_s|timestamp, adapter, input_tokens, output_tokens: "
+                          "place --history's log) on the endpoints and on the twin")
+    v.add_argument("--mapping", choices=list(TRACE_MAPPINGS), help="trace requests -> adapters")
+    v.add_argument("--time-scale", type=finite_float(0.0, 1e6, lo_open=True),
+                   help="trace: multiply inter-arrival times (< 1 = more load)")
+    v.add_argument("--start-s", type=NONNEGATIVE_S, help="trace: skip this many (scaled) seconds")
+    v.add_argument("--lengths", help=f"length model ({', '.join(LENGTH_SOURCES)})")
+    v.add_argument("--duration", type=POSITIVE_S, help="replayed (simulated) seconds (default: the workload's; "
+                                                       "--history: the log's span)")
     v.add_argument("--seed", type=SEED, help="seed of arrivals, lengths and routing draws (default: the workload's)")
     v.add_argument("--speed", type=finite_float(0.001, 1000.0), default=1.0,
                    help="simulated seconds per wall second: the endpoints are `lora-opt emulate --speed X` "
@@ -50,16 +64,23 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"placement file not found: {args.placement}")
     p = Placement.load(path)
     wl = load_workload(args.workload) if args.workload else workload_from_placement(p)
-    wl = with_evaluation(wl, duration_s=args.duration, seed=args.seed)
     if [a.id for a in wl.adapters] != [a.id for a in p.adapters]:
         raise InputError("placement and workload list different adapters (ids or order); validate the placement "
                          "with the workload it was made for")
+    requests = None
+    if args.history:
+        requests, span = _log_requests(wl, args.history, args.duration)
+        wl = with_evaluation(wl, duration_s=args.duration or span, seed=args.seed)
+    else:
+        wl = with_evaluation(wl, process=args.arrivals, trace=args.trace, mapping=args.mapping,
+                             time_scale=args.time_scale, start_s=args.start_s, lengths=args.lengths,
+                             duration_s=args.duration, seed=args.seed)
     urls = resolve_endpoints(p, args.endpoints)
     meta = {"placement": str(path), "placement_hash": placement_hash(path), "gpu": args.gpu,
-            "workload": wl.name}
+            "workload": wl.name, "requests_from": args.history or args.trace or wl.evaluation.arrivals.process}
     summary, status = validate_placement(p, wl, urls, args.out, speed=args.speed, scrape_s=args.scrape_s,
                                          workers=args.workers, meta=meta, tracking_uri=args.tracking_uri,
-                                         track=not args.no_track, progress=not args.json)
+                                         track=not args.no_track, progress=not args.json, requests=requests)
     if args.json:
         print(json.dumps({k: summary[k] for k in ("info", "comparison", "bench", "exit_status")}, default=str))
         return status
@@ -78,3 +99,17 @@ def run(args: argparse.Namespace) -> int:
     if summary["info"]["interrupted"]:
         print("interrupted: the outputs hold what was measured until Ctrl-C")
     return status
+
+
+def _log_requests(wl, path: str, duration: float | None):
+    """The request log's requests (those arriving before ``duration``) and its span."""
+    import dataclasses
+
+    import numpy as np
+
+    from lora_opt.placement.workload_file import load_request_log
+
+    _, req, span = load_request_log(wl, path)
+    keep = req.arrival < (duration or span)
+    return dataclasses.replace(req, **{f.name: np.ascontiguousarray(getattr(req, f.name)[keep])
+                                       for f in dataclasses.fields(req)}), span

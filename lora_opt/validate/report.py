@@ -140,15 +140,16 @@ def _real_evaluation(p: Placement, wl: Workload, records, req, target, series: d
 def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: str | Path, *, speed: float = 1.0,
                        scrape_s: float = 5.0, workers: int | None = None, meta: dict | None = None,
                        tracking_uri: str | None = None, track: bool = True,
-                       progress: bool = True) -> tuple[dict, int]:
+                       progress: bool = True, requests=None) -> tuple[dict, int]:
     """Replay ``wl``'s evaluation traffic (``evaluate``'s requests and routing) on the endpoints
     ``urls`` (GPU -> URL), compare with the twin, write everything under ``out`` and log one
     MLflow run.  (summary, exit status: ``EXIT_OK``, ``EXIT_FAILED_REQUESTS`` when requests
-    failed, ``EXIT_INTERRUPTED`` after Ctrl-C)."""
+    failed, ``EXIT_INTERRUPTED`` after Ctrl-C).  ``requests``: these requests instead of the
+    workload's evaluation traffic (a request log), replayed on both sides."""
     out = Path(out)
     T = wl.evaluation.duration_s
     grace_s = min(GRACE_S, T / 2)
-    req = workload_requests(wl, min(g.max_model_len for g in p.gpus))
+    req = requests if requests is not None else workload_requests(wl, min(g.max_model_len for g in p.gpus))
     target = route_requests(p, req, wl.evaluation.seed)
     models = [a.id for a in p.adapters]
     versions = endpoint_versions(urls)
