@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from test_emulate import ROOT, Emulator, _env, _free_port  # noqa: F401  (ROOT: cwd of the CLI)
+from test_emulate import ROOT, Emulator, _env, _free_port
 
 from lora_opt.calibration.probe_fit import calibrate_probe, is_probe_table
 from lora_opt.cli import main as cli_main
@@ -190,3 +190,31 @@ def test_runbook_dry_run_on_emulator(tmp_path):
     mlflow.set_tracking_uri(uri)
     for exp in ("probe", "validation", "real_validation"):
         assert len(mlflow.search_runs(experiment_names=[exp], output_format="list")) == 1, exp
+
+
+@pytest.mark.slow
+def test_live_endpoint_modes(tmp_path, monkeypatch):
+    """--endpoint: a server without adapters gets the decode and prefill families; one with adapters
+    the LoRA family at the rank it is told (vLLM does not report it)."""
+    known = known_profile(tmp_path / "known.yaml")
+    port = _free_port()
+    emu = Emulator(["--profile", known, "--port", str(port), "--speed", "2", "--max-model-len", "8192"])
+    try:
+        rc = cli_main(["probe", "--endpoint", f"http://127.0.0.1:{port}", "--plan", "smoke", "--speed", "2",
+                       "--model", "x", "--max-num-batched-tokens", "2048", "--out", str(tmp_path / "a"), "--no-track"])
+    finally:
+        assert emu.stop() == 0
+    fams = json.loads((tmp_path / "a" / "summary.json").read_text())["families"]
+    assert rc == 0 and set(fams) == {"kv", "decode", "prefill"}
+    port = _free_port()
+    emu = Emulator(["--profile", known, "--port", str(port), "--speed", "2", "--max-model-len", "8192",
+                    "--max-loras", "8", "--max-lora-rank", "16", "--lora-modules", *[f"a{i}=p" for i in range(8)]])
+    try:
+        assert cli_main(["probe", "--endpoint", f"http://127.0.0.1:{port}", "--plan", "smoke", "--model", "x",
+                         "--speed", "2", "--out", str(tmp_path / "b"), "--no-track"]) == 2   # rank missing
+        rc = cli_main(["probe", "--endpoint", f"http://127.0.0.1:{port}", "--plan", "smoke", "--speed", "2",
+                       "--model", "x", "--max-lora-rank", "16", "--out", str(tmp_path / "b"), "--no-track"])
+    finally:
+        assert emu.stop() == 0
+    fams = json.loads((tmp_path / "b" / "summary.json").read_text())["families"]
+    assert rc == 0 and set(fams) == {"kv", "lora"} and fams["lora"]["ok"] == 2

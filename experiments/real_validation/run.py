@@ -9,7 +9,6 @@ send back (see README.md next to this file).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from lora_opt.io import atomic_write_json, atomic_write_text  # noqa: E402
 from lora_opt.tracking import log_dir, tracked_run  # noqa: E402
 from lora_opt.validate.probe_launch import LaunchedServer, read_launch  # noqa: E402
 
@@ -31,10 +31,9 @@ def lora_opt(*args: str, log: Path) -> int:
     argv = [sys.executable, "-m", "lora_opt.cli", *args]
     print("$ lora-opt " + " ".join(args), flush=True)
     t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-        fh.write(proc.stdout)
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    atomic_write_text(log, proc.stdout)
     tail = [ln for ln in proc.stdout.splitlines() if ln.strip() and "\r" not in ln][-6:]
     print("\n".join("  " + ln for ln in tail) + f"\n  ({time.perf_counter() - t0:.0f} s, exit {proc.returncode})",
           flush=True)
@@ -50,7 +49,7 @@ def environment(out: Path, server_cmd: str | None) -> dict:
             info[name] = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             info[name] = "unavailable"
-    (out / "environment.json").write_text(json.dumps(info, indent=1))
+    atomic_write_json(out / "environment.json", info, indent=1)
     return info
 
 
@@ -125,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         rc_cal = step("calibrate", "calibrate", "--runs", str(out / "probe" / "rows.csv"), "--model", profile,
                       "--out", str(out / "fitted_profile.yaml"))
         if rc_cal == 0:
-            subprocess.run([sys.executable, "-m", "lora_opt.validate.probe_compare", profile,
-                            str(out / "fitted_profile.yaml"), "--max-loras", "16"], cwd=ROOT,
-                           stdout=open(out / "profile_vs_probe.txt", "w"), stderr=subprocess.STDOUT)
+            cmp = subprocess.run([sys.executable, "-m", "lora_opt.validate.probe_compare", profile,
+                                  str(out / "fitted_profile.yaml"), "--max-loras", "16"], cwd=ROOT,
+                                 capture_output=True, text=True)
+            atomic_write_text(out / "profile_vs_probe.txt", cmp.stdout + cmp.stderr)
     summary = {"gpus": n_gpus, "gpu_name": a.gpu_name, "profile": profile, "environment": env, "step_s": steps,
                "exit": {"probe": rc_probe, "validate": rc_val, "calibrate": rc_cal}}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_json(out / "summary.json", summary, indent=1)
     with tracked_run("real_validation", run_name=f"{a.gpu_name or 'machine'} {n_gpus} GPUs",
                      tracking_uri=a.tracking_uri):
         import mlflow
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         mlflow.log_metrics({f"step_s.{k}": v for k, v in steps.items()})
         log_dir(out)
     archive = shutil.make_archive(str(out) + "_send_back", "gztar", root_dir=out.parent, base_dir=out.name)
-    print(f"\nsteps (wall s): " + ", ".join(f"{k} {v:.0f}" for k, v in steps.items()))
+    print("\nsteps (wall s): " + ", ".join(f"{k} {v:.0f}" for k, v in steps.items()))
     print(f"send back: {archive}  (everything under {out}: probe/rows.csv, probe/summary.json, probe/logs/, "
           "validation/, ingested_rows.csv, fitted_profile.yaml, profile_vs_probe.txt, environment.json, logs/)")
     return 0 if rc_probe in (0, 3) and rc_val in (0, 3) and rc_cal == 0 else 1
