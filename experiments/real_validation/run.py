@@ -4,7 +4,7 @@ send back (see README.md next to this file).
 
     python experiments/real_validation/run.py --gpus 4 --gpu-name H100-80GB [--out DIR]
     # a dry run on one CPU machine: lora-opt emulate stands in for vllm serve
-    python experiments/real_validation/run.py --gpus 2 --server-cmd "lora-opt emulate --profile llama-3.1-8b-h100-64gb --speed 10" --speed 10
+    python experiments/real_validation/run.py --gpus 3 --server-cmd "lora-opt emulate --profile llama-3.1-8b-h100-64gb --speed 10" --speed 10
 """
 from __future__ import annotations
 
