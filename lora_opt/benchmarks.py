@@ -11,7 +11,7 @@ RSS after importing the twin and loading its compiled kernel (what the simulatio
 Saturated scenarios are run again with ``early_stop`` to show what stopping certainly-starving runs saves.
 
 ``dataset`` (``bench_dataset``): rows/s of labelling a grid sample with 1 and 2 workers.
-``place`` (``bench_place``): wall time of the placement policies, up to 100,000 adapters.
+``place`` (``lora_opt.benchmarks_place``): CPU time of the placement policies and its growth, 1k-1M adapters.
 ``search`` (``bench_search``): parallel efficiency of search trials on Ray.
 ``ray`` (``bench_ray``): Ray's start-up and per-task overhead, from which the fan-out's
 serial-or-Ray threshold (``lora_opt.parallel.RAY_STARTUP_S``, ``RAY_TASK_S``) is set.
@@ -28,10 +28,10 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from lora_opt.benchmarks_place import bench_place, bench_workload  # noqa: F401 -- re-exported: `bench place`
 from lora_opt.parallel import TaskPool, init_ray, run_batches
-from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.trace_split import trace_split
-from lora_opt.placement.workload_file import workload_from_dict
 from lora_opt.search.study import AMAX_MAX, SearchSetup, Traffic, run_trial
 from lora_opt.surrogates import dataset as ds
 from twin.scenario import scenario_dict
@@ -166,63 +166,6 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
     total = sum(kinds.values()) or 1.0
     for kind, w in kinds.items():
         print(f"  {kind:<24} {counts[kind]:5d} points  {100 * w / total:5.1f} % of the time")
-    return 0
-
-
-def bench_workload(n: int, rates, seed: int = 0, ranks=(8, 16, 32)):
-    """A seeded synthetic workload of ``n`` adapters (ranks and rates drawn uniformly)."""
-    rng = np.random.default_rng(seed)
-    rk = rng.choice(ranks, n)
-    rt = rng.choice(rates, n)
-    return workload_from_dict({"profile": "llama-3.1-8b-h100-64gb", "name": f"bench-{n}",
-                               "adapters": [{"id": f"a{i}", "rank": int(r), "rate": float(q)}
-                                            for i, (r, q) in enumerate(zip(rk, rt))]})
-
-
-#: (case, adapters, pool, per-adapter rates, policy, options, paper's seconds, target seconds)
-PLACE_CASES = [
-    ("1,280 adapters / 4 GPUs", 1280, 4, (0.0125, 0.025, 0.05), "greedy-fast", {}, 0.004, 0.004),
-    ("1,280 adapters / 4 GPUs", 1280, 4, (0.0125, 0.025, 0.05), "greedy", {}, 1.59, 0.050),
-    ("1,280 adapters / 4 GPUs", 1280, 4, (0.0125, 0.025, 0.05), "greedy-plus",
-     {"verify_s": 0.0, "oracle": "distilled"}, None, None),
-    ("1,280 adapters / 4 GPUs", 1280, 4, (0.0125, 0.025, 0.05), "greedy-plus", {}, None, None),
-    ("100,000 adapters / 1,000 GPUs", 100_000, 1000, (0.05, 0.1, 0.2), "greedy-fast", {}, None, 1.0),
-    ("100,000 adapters / 1,000 GPUs", 100_000, 1000, (0.05, 0.1, 0.2), "greedy", {}, None, None),
-]
-
-
-def bench_place(out: str | None = None, repeats: int = 3) -> int:
-    """Wall time of the placement algorithm (``assign``: ordering, oracle calls, packing) and of
-    the whole ``place`` (plus per-GPU flags, the checker, start-up checks), best of ``repeats``
-    after one warm-up call (surrogates loaded, Numba compiled)."""
-    rows = []
-    cache = {}
-    for case, n, pool, rates, name, opts, paper, target in PLACE_CASES:
-        wl = cache.get((n, rates)) or cache.setdefault((n, rates), bench_workload(n, rates))
-        ctx = PlacementContext.for_workload(wl)
-        pol = get_policy(name, **opts)
-        p = pol.place(wl, pool, ctx)                         # warm
-        reps = 1 if name == "greedy-plus" and opts.get("verify_s", 1) else repeats
-        t_assign, t_place = [], []
-        for _ in range(reps):
-            t = time.perf_counter()
-            pol.assign(wl, pool, ctx)
-            t_assign.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            p = pol.place(wl, pool, ctx)
-            t_place.append(time.perf_counter() - t)
-        label = name + ("" if not opts else " (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")")
-        rows.append({"case": case, "policy": label, "assign_s": min(t_assign), "place_s": min(t_place),
-                     "gpus": len(p.gpus), "feasible": p.meta["feasible"], "paper_s": paper, "target_s": target})
-    print(f"{'case':<30} {'policy':<46} {'assign ms':>10} {'place ms':>9} {'GPUs':>5} {'target ms':>9} {'paper ms':>9}")
-    for r in rows:
-        tgt = f"{r['target_s'] * 1e3:9.0f}" if r["target_s"] else f"{'-':>9}"
-        pap = f"{r['paper_s'] * 1e3:9.0f}" if r["paper_s"] else f"{'-':>9}"
-        print(f"{r['case']:<30} {r['policy']:<46} {r['assign_s'] * 1e3:10.1f} {r['place_s'] * 1e3:9.1f} "
-              f"{r['gpus']:>5} {tgt} {pap}")
-    print("assign = the algorithm (order, batched oracle calls, packing); place = assign + per-GPU flags, "
-          "placement, checker and start-up checks.")
-    _dump(out, rows)
     return 0
 
 

@@ -266,7 +266,7 @@ class Greedy(_GreedyBase):
             s += n
         # the margins decide nothing above: asked for every GPU at once
         margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _ in packed])
-        out = [GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin)
+        out = [GPUAssignment([(i, 1.0) for i in order[s:s + n].tolist()], amax, thr, margin)
                for (s, n, amax, thr), margin in zip(packed, margins)]
         return Assignment(out, unplaceable)
 
