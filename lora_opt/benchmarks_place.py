@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import platform
 import resource
 import time
@@ -188,7 +189,7 @@ def case_rows(repeats: int = 3) -> list[dict]:
     """The papers' setting for every oracle policy (CPU seconds, best of ``repeats``; twin
     verification once)."""
     rows, cache = [], {}
-    for case, n, pool, rates, name, opts, paper, target in PLACE_CASES:
+    for case, n, pool, rates, name, opts, paper, target in tqdm(PLACE_CASES, desc="bench place cases", unit="case"):
         wl = cache.get((n, rates)) or cache.setdefault((n, rates), bench_workload(n, rates))
         ctx = CountingContext.for_workload(wl)
         pol = get_policy(name, **opts)
@@ -234,14 +235,17 @@ def print_place(doc: dict) -> None:
 
 def bench_place(out: str | None = None, repeats: int = 3, sizes=SCALING_SIZES) -> int:
     """``lora-opt bench place``: the cases table and the scaling table (see the module docstring)."""
-    t0 = time.perf_counter()
+    t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     doc = {"benchmark": "place", "repeats": repeats, "cases": case_rows(repeats),
            "scaling": scaling_rows(sizes, repeats=repeats),
-           "machine": {"python": platform.python_version(), "machine": platform.machine(),
-                       "processor": platform.processor() or platform.machine()}}
-    doc["bench_wall_s"] = time.perf_counter() - t0
+           "machine": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                       "load_average_1min_at_start": load0}}
+    doc["bench_wall_s"], doc["bench_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
     print_place(doc)
-    print(f"bench took {doc['bench_wall_s']:.0f} s")
+    doc["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
+    print(f"bench took {doc['bench_wall_s']:.0f} s wall, {doc['bench_cpu_s']:.0f} s CPU (target <= 300 s); load average "
+          f"{doc['machine']['load_average_1min_at_start']:.1f} at start, {doc['machine']['load_average_1min_at_end']:.1f} at end "
+          f"on {doc['machine']['cpus']} CPUs")
     if out:
         atomic_write_json(out, doc, indent=1)
     return 0
