@@ -6,8 +6,10 @@ size of a GPU filled before it), rates zig-zagged inside each rank group (highes
 highest, ...) -- and fill one GPU at a time, asking a surrogate whether the GPU is still served.
 Because the order is rank-descending, every GPU gets a contiguous segment of it and the segment's
 max rank is its first adapter's; the features of any segment come from prefix sums in O(1), and
-one batched oracle call answers every question about a GPU (the paper calls the oracle one
-configuration at a time: 1.59 s with its RF for 1,280 adapters on 4 GPUs).
+the oracle is asked in batches: a GPU's questions a chunk of testing points at a time (only those
+its walk can reach, ending at its first failed test), every GPU's starvation margin together at the
+end (the paper calls the oracle one configuration at a time: 1.59 s with its RF for 1,280 adapters
+on 4 GPUs).  So the questions grow with the adapters placed, not with adapters x GPUs.
 
 ``greedy`` / ``greedy-fast`` (the paper; full surrogate / distilled trees):
   testing points T = [8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384] are both the adapter counts
@@ -463,8 +465,8 @@ class GreedyPlus(_GreedyBase):
                     packed = parts
                     break
         verified = 1.0 + self.margin if self.verify_s > 0 else None
-        for s, n, amax, thr in packed:
-            margin = starvation_margin(oracle, seg, s, n, amax)
+        margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _ in packed])
+        for (s, n, amax, thr), margin in zip(packed, margins):
             out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin, verified))
         if self.verify_s > 0:
             what = (f"the observed {ctx.history_s:g} s of traffic" if ctx.history is not None
