@@ -6,8 +6,10 @@ size of a GPU filled before it), rates zig-zagged inside each rank group (highes
 highest, ...) -- and fill one GPU at a time, asking a surrogate whether the GPU is still served.
 Because the order is rank-descending, every GPU gets a contiguous segment of it and the segment's
 max rank is its first adapter's; the features of any segment come from prefix sums in O(1), and
-one batched oracle call answers every question about a GPU (the paper calls the oracle one
-configuration at a time: 1.59 s with its RF for 1,280 adapters on 4 GPUs).
+the oracle is asked in batches: a GPU's questions a chunk of testing points at a time (only those
+its walk can reach, ending at its first failed test), every GPU's starvation margin together at the
+end (the paper calls the oracle one configuration at a time: 1.59 s with its RF for 1,280 adapters
+on 4 GPUs).  So the questions grow with the adapters placed, not with adapters x GPUs.
 
 ``greedy`` / ``greedy-fast`` (the paper; full surrogate / distilled trees):
   testing points T = [8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384] are both the adapter counts
@@ -79,6 +81,11 @@ AMAX_TOLERANCE = 0.99
 SURROGATE_RHO = 0.9
 #: load factors at which the starvation margin is probed
 MARGIN_GRID = np.round(np.arange(0.5, 3.0001, 0.025), 4)
+#: load factors asked per oracle call when margins are searched (the first failure ends a GPU's
+#: search; a GPU packed to its limit fails near 1.1, the 25th)
+MARGIN_CHUNK = 32
+#: testing points a GPU's first oracle call covers in greedy (then twice as many per call)
+GPU_CHUNK_ENDS = 8
 
 
 class Segments:
@@ -124,6 +131,53 @@ class Segments:
         return X.reshape(-1, len(FEATURES))
 
 
+def _testing_ends(remaining: int, start: int = 0, count: int | None = None) -> list[int]:
+    """``[start:start + count]`` of the adapter counts at which greedy tests a GPU when
+    ``remaining`` adapters are left: the testing points, every EXTRA_TESTING_STEP past the last,
+    and the last partial batch.  Computed per slice: the whole list is O(remaining) long and a
+    GPU stops at its first failure."""
+    T = TESTING_POINTS
+    head = [t for t in T if t <= remaining]
+    n_extra = max(0, (remaining - T[-1]) // EXTRA_TESTING_STEP)
+    last_listed = T[-1] + EXTRA_TESTING_STEP * n_extra if n_extra else (head[-1] if head else 0)
+    total = len(head) + n_extra + (remaining != last_listed)
+    stop = total if count is None else min(total, start + count)
+    out = []
+    for i in range(start, stop):
+        if i < len(head):
+            out.append(head[i])
+        elif i < len(head) + n_extra:
+            out.append(T[-1] + EXTRA_TESTING_STEP * (i - len(head) + 1))
+        else:
+            out.append(remaining)         # the last, partial batch is tested too
+    return out
+
+
+def starvation_margins(oracle, seg: Segments, gpus) -> list[float]:
+    """``starvation_margin`` of every GPU (s, n, amax), with one oracle call per MARGIN_CHUNK load
+    factors for all GPUs still searching (a GPU's search ends at its first failure): the same
+    numbers as one call per GPU over the whole grid, at ~1/3 of the rows and one call in all."""
+    G, L = len(gpus), len(MARGIN_GRID)
+    first_bad = np.full(G, L)
+    todo = np.arange(G)
+    lo = 0
+    if G:
+        s_all, n_all, a_all = (np.array(c, np.int64) for c in zip(*gpus))
+    while todo.size and lo < L:
+        hi = min(lo + MARGIN_CHUNK, L)
+        k = hi - lo
+        X = seg.rows(np.repeat(s_all[todo], k), np.repeat(n_all[todo], k), np.repeat(a_all[todo], k),
+                     np.tile(MARGIN_GRID[lo:hi], todo.size), pad_to=MIN_ADAPTERS_PER_GPU)
+        _, feas, _ = oracle.predict(X)
+        bad = ~feas.reshape(todo.size, k)
+        found = bad.any(axis=1)
+        first_bad[todo[found]] = lo + bad[found].argmax(axis=1)
+        todo = todo[~found]
+        lo = hi
+    return [float(SURROGATE_RHO * MARGIN_GRID[0] - 1.0) if k == 0 else float(SURROGATE_RHO * MARGIN_GRID[k - 1] - 1.0)
+            for k in first_bad.tolist()]
+
+
 def starvation_margin(oracle, seg: Segments, s: int, n: int, amax: int) -> float:
     """Capacity headroom the oracle predicts for the GPU: rho x L - 1 for the largest load factor
     L (on MARGIN_GRID, every smaller one passing too) it calls feasible; 0.1 = capacity 10 % above
@@ -155,28 +209,41 @@ class Greedy(_GreedyBase):
     summary = "paper's greedy: testing points, two-candidate A_max, rollback; full surrogate oracle"
 
     def _gpu(self, oracle, seg: Segments, s: int, remaining: int):
-        """(adapters committed, A_max, predicted throughput) for the GPU starting at s."""
+        """(adapters committed, A_max, predicted throughput) for the GPU starting at s.
+
+        The testing points are walked in chunks (``GPU_CHUNK_ENDS``, then doubling) and the oracle
+        is asked only the (count, A_max) pairs the walk can reach in the chunk: A_max moves at most
+        one testing point per end, and the walk stops at the first failed test.  Asking every pair
+        up to the whole remaining order made a GPU cost O(adapters left), the placement
+        O(adapters x GPUs).  The oracles answer each row on its own, so the walk is the paper's."""
         T = TESTING_POINTS
-        ends = [t for t in T if t <= remaining]
-        ends += list(range(T[-1] + EXTRA_TESTING_STEP, remaining + 1, EXTRA_TESTING_STEP))
-        if remaining not in ends:
-            ends.append(remaining)            # the last, partial batch is tested too
-        pairs = sorted({(n, min(t, n)) for n in ends for t in T})
-        X = seg.rows(s, np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]),
-                     pad_to=MIN_ADAPTERS_PER_GPU)
-        thr, feas, _ = oracle.predict(X)
-        table = {p: (float(thr[i]), bool(feas[i])) for i, p in enumerate(pairs)}
         idx, committed, amax, thr_c = 0, 0, 0, 0.0
-        for n in ends:
-            cur = min(T[idx], n)
-            nxt = min(T[idx + 1], n) if idx + 1 < len(T) else cur
-            take_next = table[(n, nxt)][0] > table[(n, cur)][0]
-            pick = nxt if take_next else cur
-            if not table[(n, pick)][1]:
-                break                          # roll the batch back; the next GPU opens
-            committed, amax, thr_c = n, pick, table[(n, pick)][0]
-            if take_next and idx + 1 < len(T) and T[idx + 1] <= n:
-                idx += 1
+        i0, chunk = 0, GPU_CHUNK_ENDS
+        while True:
+            block = _testing_ends(remaining, i0, chunk)
+            if not block:
+                break
+            pairs = sorted({(n, min(T[m], n)) for j, n in enumerate(block)
+                            for m in range(idx, min(idx + j + 2, len(T)))})
+            X = seg.rows(s, np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]),
+                         pad_to=MIN_ADAPTERS_PER_GPU)
+            thr, feas, _ = oracle.predict(X)
+            table = dict(zip(pairs, zip(thr.tolist(), feas.tolist())))
+            for n in block:
+                cur = min(T[idx], n)
+                nxt = min(T[idx + 1], n) if idx + 1 < len(T) else cur
+                take_next = table[(n, nxt)][0] > table[(n, cur)][0]
+                pick = nxt if take_next else cur
+                if not table[(n, pick)][1]:
+                    block = None                   # roll the batch back; the next GPU opens
+                    break
+                committed, amax, thr_c = n, pick, table[(n, pick)][0]
+                if take_next and idx + 1 < len(T) and T[idx + 1] <= n:
+                    idx += 1
+            if block is None:
+                break
+            i0 += len(block)
+            chunk *= 2
         if committed == 0:                     # first batch failed: smaller first batches
             small = [k for k in (4, 2, 1) if k <= remaining]
             thr, feas, _ = oracle.predict(seg.rows(s, np.array(small), np.array(small),
@@ -190,16 +257,19 @@ class Greedy(_GreedyBase):
         oracle = ctx.oracle(self.oracle_kind)
         order, ranks, rates = self._ordered(wl)
         seg = Segments(ranks, rates)
-        out, unplaceable, s, N = [], [], 0, len(order)
+        packed, unplaceable, s, N = [], [], 0, len(order)
         while s < N:
             n, amax, thr = self._gpu(oracle, seg, s, N - s)
             if n == 0:
                 unplaceable.append(int(order[s]))
                 s += 1
                 continue
-            margin = starvation_margin(oracle, seg, s, n, amax)
-            out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], int(amax), thr, margin))
+            packed.append((s, n, int(amax), thr))
             s += n
+        # the margins decide nothing above: asked for every GPU at once
+        margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _ in packed])
+        out = [GPUAssignment([(i, 1.0) for i in order[s:s + n].tolist()], amax, thr, margin)
+               for (s, n, amax, thr), margin in zip(packed, margins)]
         return Assignment(out, unplaceable)
 
 
@@ -395,8 +465,8 @@ class GreedyPlus(_GreedyBase):
                     packed = parts
                     break
         verified = 1.0 + self.margin if self.verify_s > 0 else None
-        for s, n, amax, thr in packed:
-            margin = starvation_margin(oracle, seg, s, n, amax)
+        margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _ in packed])
+        for (s, n, amax, thr), margin in zip(packed, margins):
             out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin, verified))
         if self.verify_s > 0:
             what = (f"the observed {ctx.history_s:g} s of traffic" if ctx.history is not None

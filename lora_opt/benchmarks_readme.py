@@ -1,0 +1,113 @@
+"""The README's performance tables, generated from the benchmarks' ``--out`` JSON.
+
+Each table lives in README.md between two HTML comments, ``<!-- bench:NAME:begin ... -->`` and
+``<!-- bench:NAME:end -->``; ``rewrite_readme`` replaces only what is between them, so the numbers
+in the README are always the ones a committed JSON holds (``experiments/bench/*.json``) and
+``tests/test_bench_place.py`` fails when they drift apart.  The command:
+``python experiments/readme_tables.py`` (after ``lora-opt bench place --out experiments/bench/place.json``
+and ``lora-opt bench twin --out experiments/bench/twin.json``).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from lora_opt.errors import InputError
+
+BEGIN = "<!-- bench:{name}:begin (generated from {source} by python experiments/readme_tables.py; do not edit) -->"
+END = "<!-- bench:{name}:end -->"
+
+
+def _t(x) -> str:
+    """A CPU time for a table: ms below a second."""
+    if x is None:
+        return "-"
+    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
+
+
+def place_cases_table(doc: dict) -> str:
+    """The papers' setting: every oracle policy, CPU time, the paper's and our target."""
+    lines = ["| case | policy | algorithm (`assign`) | whole `place` | GPUs | target | paper |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["cases"]:
+        lines.append(f"| {r['case']} | {r['policy']} | {_t(r['assign_cpu_s'])} | {_t(r['place_cpu_s'])} | {r['gpus']} | "
+                     f"{'<= ' + _t(r['target_s']) if r['target_s'] else '-'} | {_t(r['paper_s'])} |")
+    return "\n".join(lines)
+
+
+def place_scaling_table(doc: dict) -> str:
+    """1k-1M adapters: ``place`` CPU time per policy, targets, oracle questions, exponents."""
+    s = doc["scaling"]
+    policies = list(s["exponents"])
+    by = {(r["policy"], r["adapters"]): r for r in s["rows"]}
+    sizes = sorted({r["adapters"] for r in s["rows"]})
+    head = "| adapters / pool GPUs | " + " | ".join(f"{p}: `place` (target)" for p in policies) + \
+        " | " + " | ".join(f"{p}: GPUs used, oracle rows per adapter" for p in policies) + " |"
+    lines = [head, "|---|" + "---|" * (2 * len(policies))]
+    for n in sizes:
+        cells, work = [], []
+        for p in policies:
+            r = by.get((p, n))
+            if r is None:
+                cells.append("not run (see below)")
+                work.append("-")
+                continue
+            cells.append(_t(r["place_cpu_s"]) + (f" (<= {_t(r['target_s'])})" if r["target_s"] else ""))
+            work.append(f"{r['gpus']:,}, {r['oracle_rows'] / r['adapters']:.2f}")
+        pool = next(r["pool"] for r in s["rows"] if r["adapters"] == n)
+        lines.append(f"| {n:,} / {pool:,} | " + " | ".join(cells) + " | " + " | ".join(work) + " |")
+    exps = "; ".join(f"{p} {e['place']:.2f} (between sizes: {', '.join(f'{x:.2f}' for x in e['place_steps'])})"
+                     for p, e in s["exponents"].items())
+    lines += ["", f"Growth exponent of `place` (least squares of log CPU time on log adapters): {exps}; "
+                  f"target <= {s['max_exponent']}."]
+    if s.get("peak_rss_mb") is not None:
+        lines.append(f"Peak RSS of the whole bench process after greedy-fast at {s['largest']:,} adapters: "
+                     f"{s['peak_rss_mb']:,.0f} MB (target <= {s['rss_target_mb']:,} MB).")
+    lines += [f"Not run: {n}." for n in s["notes"]]
+    lines.append(f"CPU time (`time.process_time`), best of {doc['repeats']} (one run at 1M adapters); "
+                 f"the bench took {doc['bench_wall_s']:.0f} s wall, {doc.get('bench_cpu_s', math.nan):.0f} s CPU"
+                 + (f" (load average {m['load_average_1min_at_start']:.1f} at its start, {m['load_average_1min_at_end']:.1f} "
+                    f"at its end, on {m['cpus']} CPUs)." if (m := doc.get("machine", {})).get("cpus") else "."))
+    return "\n".join(lines)
+
+
+def twin_table(rows: list) -> str:
+    """``bench twin``'s rows: CPU (and wall) seconds per simulated hour against the targets and the
+    published twin."""
+    lines = ["| scenario | CPU s per simulated hour | wall s | target | issue 17's target (50x published) | "
+             "published twin | x published (CPU) | peak RSS MB |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cpu = r.get("cpu_s_per_sim_hour", r["wall_s_per_sim_hour"])
+        t50 = r.get("target_50x_s")
+        lines.append(f"| {r['scenario']} | {cpu:.3f} | {r['wall_s_per_sim_hour']:.3f} | <= {r['target_s']:g} | "
+                     f"{'<= ' + format(t50, '.3f') + (' met' if cpu <= t50 else ' not met') if t50 else '-'} | "
+                     f"{r['published_s']:g} | {r['published_s'] / cpu:.0f}x | {r['peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, name: str, body: str, source: str) -> str:
+    """``text`` with the block ``name`` (markers included) replaced by ``body`` between fresh
+    markers; InputError if the README has no such block (or two)."""
+    pattern = re.compile(r"<!-- bench:" + re.escape(name) + r":begin[^\n]*-->\n.*?<!-- bench:" + re.escape(name)
+                         + r":end -->", re.S)
+    found = pattern.findall(text)
+    if len(found) != 1:
+        raise InputError(f"README: expected one block <!-- bench:{name}:begin ... --> ... <!-- bench:{name}:end -->, "
+                         f"found {len(found)}")
+    block = BEGIN.format(name=name, source=source) + "\n" + body.rstrip("\n") + "\n" + END.format(name=name)
+    return pattern.sub(lambda _: block, text)
+
+
+def render_readme(text: str, place_doc: dict | None, twin_rows: list | None, place_src: str, twin_src: str) -> str:
+    """README text with every block whose JSON is given regenerated."""
+    if place_doc is not None:
+        text = replace_block(text, "place-cases", place_cases_table(place_doc), place_src)
+        text = replace_block(text, "place-scaling", place_scaling_table(place_doc), place_src)
+    if twin_rows is not None:
+        text = replace_block(text, "twin", twin_table(twin_rows), twin_src)
+    return text
+
+
+def block_names(text: str) -> list[str]:
+    """Names of the generated blocks in a README."""
+    return re.findall(r"<!-- bench:([\w-]+):begin", text)
