@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                                            "failed": res.failed, "wall_s": res.wall_s, "front": rows},
                       indent=1, default=str)
     print(f"study {res.study_name} in {res.storage}: {res.trials} trials ({res.complete} complete, {res.failed} "
-          f"failed{f', {res.resumed_stale} in flight at the last kill marked failed' if res.resumed_stale else ''}); "
+          f"failed{f', {res.resumed_stale} in flight at the last kill evaluated again' if res.resumed_stale else ''}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")
     print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
     print(front_table(rows, args.objective) if rows else "  no feasible trial yet")

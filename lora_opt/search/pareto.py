@@ -20,7 +20,7 @@ from lora_opt.io import atomic_write_json, atomic_write_text
 from lora_opt.placement.evaluate import Criterion, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
-from lora_opt.search.study import (DEFAULT_OBJECTIVE, SearchSetup, Traffic, hypervolume, nondominated,
+from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, hypervolume, nondominated,
                                    objective_value, replay, replay_front, run_search, traffic_halves)
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
@@ -55,7 +55,7 @@ class ParetoConfig:
     """Latency objective (a key of ``lora_opt.search.study.OBJECTIVES``), measured on the replay."""
     trials: int = 24
     """Search trials per criterion (0 = the greedy policies only)."""
-    ref_latency_ms: float = 60_000.0
+    ref_latency_ms: float = REF_LATENCY_MS
     """Hypervolume reference latency (ms); the reference GPU count is the pool + 1."""
     workers: int | None = None
     """Parallel workers for replays and trials (1 = serial, no Ray; None = all cores)."""
@@ -63,6 +63,9 @@ class ParetoConfig:
     """Existing Ray cluster (None = ``RAY_ADDRESS`` or a local instance)."""
     progress: bool = True
     """A progress bar over the criteria (stderr)."""
+    seed: int = 0
+    """Sampler seed of every study (see ``lora_opt.search.study.run_search``: the same trials and
+    fronts whatever ``workers``)."""
 
 
 def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traffic, eval_traffic: Traffic,
@@ -98,7 +101,8 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
             setup = SearchSetup.build(wl, pool, ctx, c, objective)
             name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
             res = run_search(setup, history_ctx or ctx, search_traffic, trials=trials, storage=f"sqlite:///{storage_dir / 'studies.db'}",
-                             study_name=name, workers=workers, ray_address=ray_address, progress=False)
+                             study_name=name, seed=config.seed, workers=workers, ray_address=ray_address,
+                             progress=False)
             for r in replay_front(res.front, setup, eval_traffic, workers=workers, ray_address=ray_address):
                 points.append({"method": "search", "criterion": c.label, "gpus": r["gpus"],
                                "latency_ms": r["heldout"], "feasible": r["heldout_feasible"],
