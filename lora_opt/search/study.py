@@ -271,6 +271,9 @@ def open_storage(storage: str, attempts: int = 5):
 #: number of workers -- so that a seeded study proposes the same trials on 1 worker, 2 or a cluster
 #: (``run_search``); up to this many trials run at once.
 DEFAULT_BATCH = 8
+#: how trials are driven: Optuna ask/tell over Ray tasks (``run_search``), or a Ray Tune experiment
+#: (``lora_opt.search.tune.run_tune_search``)
+BACKENDS = ("ask-tell", "tune")
 #: hypervolume reference latency (ms) of the study's plots and of ``lora-opt pareto``
 REF_LATENCY_MS = 60_000.0
 
@@ -312,6 +315,13 @@ def open_study(setup: SearchSetup, storage: str, study_name: str | None, seed: i
                                 directions=["minimize", "minimize"], load_if_exists=True)
     study.set_metric_names(["gpus", setup.objective])
     return study, name
+
+
+def load_study(storage: str, study_name: str):
+    """An existing study, through ``open_storage``."""
+    import optuna  # heavy optional dependency: only when a study runs
+
+    return optuna.load_study(study_name=study_name, storage=open_storage(storage))
 
 
 def stale_batch(study) -> list[tuple[Any, dict]]:
