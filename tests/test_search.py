@@ -153,17 +153,33 @@ def test_resume_after_kill(tmp_path):
     assert sum(s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for s in states) == 10
 
 
-def test_search_cli(tmp_path, capsys):
+def test_search_cli(tmp_path, capsys, monkeypatch):
+    """The table; then --json (front.json's content), OPTUNA_STORAGE as the default storage (the
+    same study resumed), Optuna's Pareto-front and hypervolume-history plots, Optuna's verbosity
+    left as it was."""
+    import json
+
+    import optuna
     import yaml
 
     from lora_opt.cli import main
     wfile = tmp_path / "w.yaml"
     wfile.write_text(yaml.safe_dump(TINY))
-    rc = main(["search", "--workload", str(wfile), "--gpus", "2", "--trials", "4", "--workers", "1",
-               "--out", str(tmp_path / "o"), "--ttft-slo-ms", "2000"])
+    db = tmp_path / "env.db"
+    monkeypatch.setenv("OPTUNA_STORAGE", f"sqlite:///{db}")
+    before = optuna.logging.get_verbosity()
+    args = ["search", "--workload", str(wfile), "--gpus", "2", "--trials", "4", "--workers", "1",
+            "--out", str(tmp_path / "o"), "--ttft-slo-ms", "2000"]
+    rc = main(args)
     text = capsys.readouterr().out
     assert rc == 0 and "Pareto front" in text and "TTFT <= 2000 ms" in text
-    assert (tmp_path / "o" / "front.json").exists() and (tmp_path / "o" / "study.db").exists()
+    assert (tmp_path / "o" / "front.json").exists() and db.exists() and not (tmp_path / "o" / "study.db").exists()
+    for name in ("pareto_front.png", "hypervolume_history.png"):
+        assert (tmp_path / "o" / name).read_bytes()[:4] == b"\x89PNG"
+    assert optuna.logging.get_verbosity() == before
+    assert main(args[:6] + ["5"] + args[7:] + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["storage"] == f"sqlite:///{db}" and res["trials"] == 5 and res["front"] and res["backend"] == "ask-tell"
 
 
 def test_criterion_validation():
@@ -214,9 +230,9 @@ def test_pareto_cli_end_to_end(tmp_path, capsys):
     wfile.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "p"
     rc = main(["pareto", "--workload", str(wfile), "--gpus", "2", "--rhos", "0.8", "--ttft-slos-ms", "2000",
-               "--itl-slos-ms", "--trials", "3", "--workers", "1", "--out", str(out)])
-    assert rc == 0 and "hypervolume" in capsys.readouterr().out
-    res = json.loads((out / "pareto.json").read_text())
+               "--itl-slos-ms", "--trials", "3", "--workers", "1", "--out", str(out), "--seed", "5", "--json"])
+    res = json.loads(capsys.readouterr().out)               # --json: pareto.json's content, strict JSON
+    assert rc == 0 and res == json.loads((out / "pareto.json").read_text(), parse_constant=lambda _: None)
     assert set(res["hypervolume"]) == {"greedy-plus", "greedy", "search"}
     assert (out / "pareto_front.png").exists() and (out / "report.md").exists()
     for m, front in res["fronts"].items():
