@@ -41,7 +41,8 @@ def register(sub) -> None:
                     help="ask-tell (default): Optuna ask/tell over Ray tasks, reproducible for any --workers; "
                          "tune: a Ray Tune experiment (needs ray[tune]; resumable through <out>/tune)")
     se.add_argument("--no-seeds", action="store_true", help="do not start from the greedy placements")
-    se.add_argument("--timeout-s", type=POSITIVE_S, default=600.0, help="a trial running longer is recorded as failed")
+    se.add_argument("--timeout-s", type=POSITIVE_S, default=600.0,
+                    help="ask-tell: a trial running longer is recorded as failed")
     se.add_argument("--surrogate", help="surrogate directory for the greedy seeds (default: bundled)")
     add_ray_flags(se, workers_help="parallel trials (1 = serial, no Ray; N > 1 = Ray; default: serial when the trials are too few "
                                         "to pay Ray's start-up, else Ray on all cores)")
@@ -87,15 +88,15 @@ def run(args: argparse.Namespace) -> int:
         # with a log, its first half sets the rates and is searched on; its second half is held out
         wl, search_traffic, heldout, ctx_kw = traffic_halves(wl, args.history)
         ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
-        setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective)
+        setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective, batch=args.batch)
         prep.set_description_str("search: setup ready")
     kw = dict(trials=args.trials, storage=storage, study_name=args.study, seed=args.seed, workers=args.workers,
-              ray_address=args.ray_address, timeout_s=args.timeout_s, seeds=not args.no_seeds)
+              ray_address=args.ray_address, seeds=not args.no_seeds)
     if args.backend == "tune":
         from lora_opt.search.tune import run_tune_search
         res = run_tune_search(setup, ctx, search_traffic, tune_dir=out / "tune", **kw)
     else:
-        res = run_search(setup, ctx, search_traffic, batch=args.batch, **kw)
+        res = run_search(setup, ctx, search_traffic, timeout_s=args.timeout_s, **kw)
     rows = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
     for r in rows:
         r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")

@@ -13,6 +13,7 @@ from lora_opt.parallel import TaskPool, init_ray
 from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.trace_split import trace_split
 from lora_opt.search.study import SearchSetup, Traffic, load_study, run_search, run_trial
+from lora_opt.search.tune import run_tune_search
 
 
 def _trial_seconds(storage: str, study_name: str) -> float:
@@ -26,8 +27,6 @@ def bench_backends(out: str | None = None, trials: int = 48, workers: int = 2, s
     either is timed; Tune's own start-up (its controller, trial actors) is counted, as a user pays
     it.  Overhead per trial = wall / trials - trial time / (workers x trials): the wall time a trial
     costs beyond its share of the work."""
-    from lora_opt.search.tune import run_tune_search  # needs ray[tune]: only when benchmarked
-
     sp = trace_split("azure-conv", profile="llama-3.1-8b-h100-64gb", n_adapters=1280, ranks=(8, 16, 32),
                      target_rate=15.0, seed=seed)
     ctx = PlacementContext.for_workload(sp.workload)

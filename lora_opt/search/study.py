@@ -60,6 +60,10 @@ CONSTRAINTS = ("starving_gpus", "gpus_failing_startup", "unplaced_adapters")
 NO_LATENCY = 1e9
 #: A_max searched up to this (clipped per GPU to its adapters and its memory)
 AMAX_MAX = 1024
+#: trials asked per batch before any of them is told.  A property of the study -- never of the
+#: number of workers -- so that a seeded study proposes the same trials on 1 worker, 2 or a cluster
+#: (``run_search``); up to this many trials run at once.
+DEFAULT_BATCH = 8
 
 
 @dataclass
@@ -106,10 +110,13 @@ class SearchSetup:
     criterion: Criterion
     objective: str = DEFAULT_OBJECTIVE
     grace_s: float = GRACE_S
+    batch: int = DEFAULT_BATCH
+    """trials the ask/tell study asks at once (``run_search``): the results depend on it, not on
+    the number of workers"""
 
     @classmethod
     def build(cls, wl: Workload, pool: int, ctx: PlacementContext, criterion: Criterion | None = None,
-              objective: str = DEFAULT_OBJECTIVE) -> SearchSetup:
+              objective: str = DEFAULT_OBJECTIVE, batch: int = DEFAULT_BATCH) -> SearchSetup:
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
         if not isinstance(pool, int) or pool < 1:
@@ -120,7 +127,10 @@ class SearchSetup:
         mml = e.max_model_len or prof.model.max_model_len
         caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
                                              mml, e.max_num_seqs, AMAX_MAX) for r in set(ranks.tolist())}
-        return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective)
+        if not isinstance(batch, int) or batch < 1:
+            raise ScenarioError(f"batch: must be an integer >= 1, got {batch!r}")
+        return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective,
+                   batch=batch)
 
 
 def suggest(trial, setup: SearchSetup) -> dict:
@@ -267,10 +277,6 @@ def open_storage(storage: str, attempts: int = 5):
             time.sleep(0.2 * (attempt + 1))
 
 
-#: trials asked per batch before any of them is told.  A property of the study -- never of the
-#: number of workers -- so that a seeded study proposes the same trials on 1 worker, 2 or a cluster
-#: (``run_search``); up to this many trials run at once.
-DEFAULT_BATCH = 8
 #: how trials are driven: Optuna ask/tell over Ray tasks (``run_search``), or a Ray Tune experiment
 #: (``lora_opt.search.tune.run_tune_search``)
 BACKENDS = ("ask-tell", "tune")
@@ -395,10 +401,10 @@ def run_batch(study, batch: list[tuple[Any, dict]], setup_ref, traffic_ref, pool
 def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, trials: int = 64,
                storage: str | None = None, study_name: str | None = None, seed: int = 0,
                workers: int | None = None, ray_address: str | None = None, timeout_s: float | None = 600.0,
-               seeds: bool = True, progress: bool = True, batch: int = DEFAULT_BATCH) -> SearchResult:
+               seeds: bool = True, progress: bool = True) -> SearchResult:
     """Run (or resume) the study until ``trials`` trials have finished.
 
-    Reproducible: trials are asked ``batch`` at a time (the sampler seeded from ``seed`` and the
+    Reproducible: trials are asked ``setup.batch`` at a time (the sampler seeded from ``seed`` and the
     number of trials so far, ``batch_sampler``), evaluated in parallel, and told in trial-number
     order, so a seeded study gives the same trials and front on any number of workers, and the
     trials a killed run had in flight are evaluated again when it resumes.  The exception: a trial
@@ -419,7 +425,7 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
             run_batch(study, stale, setup_ref, traffic_ref, pool, timeout_s, bar)
         while (left := trials - finished_trials(study)) > 0:
             study.sampler = batch_sampler(seed, len(study.get_trials(deepcopy=False)))
-            asked = [study.ask() for _ in range(min(batch, left))]
+            asked = [study.ask() for _ in range(min(setup.batch, left))]
             run_batch(study, [(t, suggest(t, setup)) for t in asked], setup_ref, traffic_ref, pool, timeout_s, bar)
         front = front_rows(study, setup.objective)
         all_trials = study.get_trials(deepcopy=False)

@@ -92,11 +92,11 @@ def _progress_callback(bar):
 
 def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, tune_dir: Path,
                     trials: int = 64, storage: str | None = None, study_name: str | None = None, seed: int = 0,
-                    workers: int | None = None, ray_address: str | None = None, timeout_s: float | None = None,
-                    seeds: bool = True, progress: bool = True) -> SearchResult:
+                    workers: int | None = None, ray_address: str | None = None, seeds: bool = True,
+                    progress: bool = True) -> SearchResult:
     """Run (or resume, from ``tune_dir/<study>``) the study as a Ray Tune experiment until
-    ``trials`` trials have finished.  ``timeout_s`` is not enforced per trial (Tune has no per-trial
-    time limit); the default backend has one."""
+    ``trials`` trials have finished.  No per-trial time limit (Tune has none; the default backend's
+    is ``timeout_s``); ``setup.batch`` does not apply (Tune asks whenever a slot frees up)."""
     import optuna  # heavy optional dependency: only when a study runs
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")   # no CSV/JSON/TensorBoard files per trial
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
