@@ -58,6 +58,12 @@ def _criterion(args: argparse.Namespace, rho: float):
     return Criterion(rho=args.rho, ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms, attainment=args.attainment)
 
 
+def _stale_note(n: int, backend: str) -> str:
+    if not n:
+        return ""
+    return f", {n} in flight at the last kill " + ("evaluated again" if backend == "ask-tell" else "recorded as failed")
+
+
 #: exit status when the study found no feasible placement (as ``place``'s infeasible)
 EXIT_NO_FEASIBLE = 3
 
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1, default=str))
         return code
     print(f"study {res.study_name} in {res.storage} ({args.backend}): {res.trials} trials ({res.complete} complete, "
-          f"{res.failed} failed{f', {res.resumed_stale} in flight at the last kill evaluated again' if res.resumed_stale else ''}); "
+          f"{res.failed} failed{_stale_note(res.resumed_stale, args.backend)}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")
     print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
     print(front_table(rows, args.objective) if rows else "  no feasible trial: no placement met the criterion "

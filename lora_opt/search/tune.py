@@ -68,10 +68,17 @@ def constrained_searcher():
         """OptunaSearch + the trial's constraints set before ``tell`` (Ray's passes values only)."""
 
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            import optuna  # heavy optional dependency: only in the Tune backend
+
             ot_trial = self._ot_trials.get(trial_id)
             if (ot_trial is not None and result and trial_id not in self._completed_trials
                     and all(k in result for k in CONSTRAINT_KEYS)):
-                record_constraints(ot_trial, result)
+                try:
+                    record_constraints(ot_trial, result)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    # resumed: told before the kill, after Tune's last experiment checkpoint
+                    self._completed_trials.add(trial_id)
+                    return
             super().on_trial_complete(trial_id, result, error)
 
     return ConstrainedOptunaSearch
@@ -81,13 +88,36 @@ def _progress_callback(bar):
     from ray.tune import Callback  # heavy optional dependency: only in the Tune backend
 
     class Progress(Callback):
+        """Advances ``bar`` per finished trial.  Tune pickles its callbacks into the experiment
+        directory (for ``Tuner.restore``): the bar is not part of that state."""
+
+        def __init__(self, bar):
+            self.bar = bar
+
+        def __getstate__(self):
+            return {}
+
+        def __setstate__(self, state):
+            self.bar = None
+
         def on_trial_complete(self, iteration, trials, trial, **info):
-            bar.update(1)
+            if self.bar is not None:
+                self.bar.update(1)
 
-        def on_trial_error(self, iteration, trials, trial, **info):
-            bar.update(1)
+        on_trial_error = on_trial_complete
 
-    return Progress()
+    return Progress(bar)
+
+
+def fail_lost(study) -> int:
+    """Trials still RUNNING after the experiment: asked by a killed run after Tune's last
+    experiment checkpoint, so the restored experiment does not know them; recorded as failed."""
+    from optuna.trial import TrialState  # heavy optional dependency: only in the Tune backend
+
+    lost = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for t in lost:
+        study.tell(t.number, state=TrialState.FAIL)
+    return len(lost)
 
 
 def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, tune_dir: Path,
@@ -100,6 +130,9 @@ def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic,
     import optuna  # heavy optional dependency: only when a study runs
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")   # no CSV/JSON/TensorBoard files per trial
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # the experiment state saved at every step, so that a restore after a kill agrees with the
+    # Optuna storage (by default Tune saves every 10+ s)
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
     from ray import tune  # heavy optional dependency: only in the Tune backend
 
     t0 = time.perf_counter()
@@ -139,7 +172,8 @@ def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic,
                 tuner.fit()
             finally:
                 grid_log.setLevel(level)
+        lost = fail_lost(study)
         front = front_rows(study, setup.objective)
         all_trials = study.get_trials(deepcopy=False)
     return SearchResult(study_name, storage, len(all_trials), sum(t.state.name == "COMPLETE" for t in all_trials),
-                        sum(t.state.name == "FAIL" for t in all_trials), front, time.perf_counter() - t0)
+                        sum(t.state.name == "FAIL" for t in all_trials), front, time.perf_counter() - t0, lost)
