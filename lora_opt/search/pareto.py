@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from lora_opt.io import atomic_write_json, atomic_write_text
@@ -32,6 +33,13 @@ def criteria_sweep(rhos, ttft_slos_ms, itl_slos_ms, attainment: float) -> list[C
     out += [Criterion(rho=None, ttft_ms=t, attainment=attainment) for t in ttft_slos_ms or []]
     out += [Criterion(rho=None, itl_ms=t, attainment=attainment) for t in itl_slos_ms or []]
     return out
+
+
+def criterion_seed(seed: int, index: int) -> int:
+    """The sampler seed of the sweep's ``index``-th study: independent streams per criterion (one
+    seed for all would make the studies propose the same trials until their constraints differ --
+    nine copies of one search), all fixed by ``seed``."""
+    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0])
 
 
 def _replay(p, wl, traffic: Traffic, criterion, objective, workers, ray_address):
@@ -64,8 +72,8 @@ class ParetoConfig:
     progress: bool = True
     """A progress bar over the criteria (stderr)."""
     seed: int = 0
-    """Sampler seed of every study (see ``lora_opt.search.study.run_search``: the same trials and
-    fronts whatever ``workers``)."""
+    """Seed of the studies' samplers (one stream per criterion, ``criterion_seed``): the same
+    trials and fronts whatever ``workers`` (``lora_opt.search.study.run_search``)."""
 
 
 def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traffic, eval_traffic: Traffic,
@@ -78,7 +86,7 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
     points: list[dict] = []
     cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
     greedy_p = None
-    for c in tqdm(criteria, desc="criteria", unit="criterion", disable=not config.progress):
+    for i, c in enumerate(tqdm(criteria, desc="criteria", unit="criterion", disable=not config.progress)):
         t = time.perf_counter()
         p = get_policy("greedy-plus", ttft_p99_s=None, criterion=c).place(wl, pool, history_ctx or ctx)
         if p.meta["feasible"]:
@@ -101,7 +109,8 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
             setup = SearchSetup.build(wl, pool, ctx, c, objective)
             name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
             res = run_search(setup, history_ctx or ctx, search_traffic, trials=trials, storage=f"sqlite:///{storage_dir / 'studies.db'}",
-                             study_name=name, seed=config.seed, workers=workers, ray_address=ray_address,
+                             study_name=name, seed=criterion_seed(config.seed, i), workers=workers,
+                             ray_address=ray_address,
                              progress=False)
             for r in replay_front(res.front, setup, eval_traffic, workers=workers, ray_address=ray_address):
                 points.append({"method": "search", "criterion": c.label, "gpus": r["gpus"],
