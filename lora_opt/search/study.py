@@ -21,10 +21,11 @@ Trials run on *search traffic* (the observed history of a trace split, or the wo
 with another seed); the front is then replayed on the held-out evaluation traffic and both numbers
 are reported, so the search cannot overfit the traffic it is judged on.
 
-Ask/tell over Ray tasks rather than Ray Tune + OptunaSearch: measured on this machine, ask/tell
-with Ray tasks costs ~1-8 s of overhead per 64 trials against 100+ s for Tune (5 s with actor
-reuse), and Tune reaches a multi-objective front only through a storage we would pass anyway; with
-ask/tell the study lives in one SQLite file that resumes after a kill and optuna-dashboard opens.
+Ask/tell over Ray tasks is the default backend, and the reproducible one: ``run_search`` asks fixed
+batches, evaluates them in parallel and tells them in trial order, so a seeded study gives the same
+trials whatever the number of workers.  ``lora_opt.search.tune`` runs the same study as a Ray Tune
+experiment (``--backend tune``); ``lora-opt bench search`` compares the two.  Either way the study
+lives in one Optuna storage (SQLite by default) that resumes after a kill and optuna-dashboard opens.
 """
 from __future__ import annotations
 
