@@ -80,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.search.study import (SearchSetup, check_storage, front_table, load_study, replay_front, run_search,
                                        traffic_halves)
 
+    if args.backend == "tune":
+        try:
+            import ray.tune  # noqa: F401  (optional: the tune extra)
+        except ImportError as exc:
+            raise InputError(f"--backend tune: needs Ray Tune (pip install 'lora-opt[tune]'): {exc}") from None
     storage = args.storage or os.environ.get("OPTUNA_STORAGE")
     if storage:
         check_storage(storage)
