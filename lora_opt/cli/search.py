@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     from lora_opt.placement.policies import PlacementContext
     from lora_opt.placement.workload_file import load_workload
+    from twin.errors import ScenarioError
+
     from lora_opt.search.study import (SearchSetup, check_storage, front_table, load_study, replay_front, run_search,
                                        traffic_halves)
 
@@ -86,8 +88,13 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise InputError(f"--backend tune: needs Ray Tune (pip install 'lora-opt[tune]'): {exc}") from None
     storage = args.storage or os.environ.get("OPTUNA_STORAGE")
-    if storage:
+    if args.storage:
         check_storage(storage)
+    elif storage:
+        try:
+            check_storage(storage)
+        except ScenarioError as exc:
+            raise InputError(str(exc).replace("--storage", "OPTUNA_STORAGE (the default --storage)", 1)) from None
     if args.trials < 1:
         raise InputError(f"--trials: must be >= 1, got {args.trials}")
     with tqdm(total=None, desc="search: loading the workload, surrogate and traffic", bar_format="{desc} [{elapsed}]",
