@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.search.plots import write_study_plots
     plots = write_study_plots(load_study(res.storage, res.study_name), out, args.gpus, args.objective)
     result = {"study": res.study_name, "storage": res.storage, "backend": args.backend, "seed": args.seed,
+              "reproducible": args.backend == "ask-tell",
               "criterion": setup.criterion.label, "objective": args.objective, "trials": res.trials,
               "complete": res.complete, "failed": res.failed, "wall_s": res.wall_s, "front": rows,
               "plots": [str(p) for p in plots]}
@@ -132,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"study {res.study_name} in {res.storage} ({args.backend}): {res.trials} trials ({res.complete} complete, "
           f"{res.failed} failed{_stale_note(res.resumed_stale, args.backend)}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")
+    if args.backend == "tune":
+        print("  (tune: the trials depend on the order they finished in -- not reproducible across runs or "
+              "--workers; the default backend is)")
     print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
     print(front_table(rows, args.objective) if rows else "  no feasible trial: no placement met the criterion "
           f"(exit status {EXIT_NO_FEASIBLE}); try more --trials or --gpus, or a looser criterion")
