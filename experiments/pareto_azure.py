@@ -6,20 +6,20 @@ fronts over a sweep of feasibility criteria, hypervolume per method, cost (track
 1,280 adapters, requests of the trace spread uniformly, per-adapter rates estimated on the first
 half of the (time-compressed) hour -- the search and greedy-plus's verification run on those
 observed requests -- and every point replayed on the second half (held out).  Writes
-experiments/pareto_azure/ (report.md, pareto.json, pareto_front.png).
+experiments/pareto_azure/ (report.md, pareto.json, pareto_front.png).  Reproducible: the same
+points and hypervolumes for any ``--workers`` (the studies ask fixed batches of trials and tell
+them in trial order).  Needs lora-opt importable (``pip install -e .``, or PYTHONPATH=.).
 """
 import argparse
 import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lora_opt.search.pareto import ParetoConfig, criteria_sweep, run_pareto, write_outputs  # noqa: E402
-from lora_opt.placement.policies import PlacementContext  # noqa: E402
-from lora_opt.search.study import Traffic  # noqa: E402
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
-from lora_opt.placement.trace_split import trace_split  # noqa: E402
+from lora_opt.placement.policies import PlacementContext
+from lora_opt.placement.trace_split import trace_split
+from lora_opt.search.pareto import ParetoConfig, criteria_sweep, run_pareto, write_outputs
+from lora_opt.search.study import Traffic
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
 OUT = Path(__file__).resolve().parent / "pareto_azure"
 
@@ -33,8 +33,9 @@ if __name__ == "__main__":
     ap.add_argument("--rhos", type=float, nargs="+", default=[0.70, 0.75, 0.80, 0.85, 0.90, 0.95])
     ap.add_argument("--ttft-slos-ms", type=float, nargs="*", default=[1000.0, 5000.0])
     ap.add_argument("--itl-slos-ms", type=float, nargs="*", default=[100.0])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="trace split and sampler seed")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="parallel replays and trials (the results do not depend on it: studies ask fixed batches)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--tracking-uri")
     a = ap.parse_args()
@@ -52,7 +53,7 @@ if __name__ == "__main__":
         mlflow.log_params({"trace": a.trace, "ranks": str(a.ranks), "load": a.load, "pool": a.gpus,
                            "trials_per_criterion": a.trials, "criteria": "; ".join(c.label for c in criteria),
                            "seed": a.seed})
-        res = run_pareto(sp.workload, a.gpus, ctx, ParetoConfig(criteria, trials=a.trials, workers=a.workers),
+        res = run_pareto(sp.workload, a.gpus, ctx, ParetoConfig(criteria, trials=a.trials, workers=a.workers, seed=a.seed),
                          search_traffic=Traffic(sp.history, sp.history_s),
                          eval_traffic=Traffic(sp.replay, sp.duration_s), storage_dir=out, history_ctx=hctx)
         res["split"] = sp.info

@@ -13,8 +13,8 @@ import pytest
 from lora_opt.placement.evaluate import Criterion
 from lora_opt.search.pareto import criteria_sweep, pareto_points
 from lora_opt.placement.policies import PlacementContext, get_policy
-from lora_opt.search.study import (SearchSetup, Traffic, decode, encode, hypervolume, part_sizes, pareto_front,
-                             run_search)
+from lora_opt.search.study import (SearchSetup, Traffic, decode, encode, hypervolume, part_sizes, run_search,
+                                   study_front)
 from lora_opt.placement.workload_file import workload_from_dict
 
 P = "llama-3.1-8b-h100-64gb"
@@ -67,10 +67,32 @@ def test_tiny_study_on_local_ray_front_respects_constraints(tiny, tmp_path):
     assert res.front
     import optuna
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/s.db")
-    for t in pareto_front(study.trials):
-        assert all(c <= 0 for c in t.user_attrs["constraints"])
+    for t in study_front(study):
+        assert all(c <= 0 for c in t.user_attrs["constraints"]) and all(c <= 0 for c in t.constraints.values())
         assert t.values[0] <= 3
     assert any(t.user_attrs.get("seed") for t in study.trials)      # greedy seeds were enqueued
+
+
+def _trials(storage, name):
+    import optuna
+    study = optuna.load_study(study_name=name, storage=storage)
+    return ([(t.number, t.state.name, t.params, t.values, t.user_attrs.get("constraints")) for t in study.trials],
+            [t.number for t in study_front(study)])
+
+
+def test_a_seeded_study_is_the_same_on_one_worker_and_on_two(tiny, tmp_path):
+    """Issue 16: trials asked in fixed batches and told in trial order -- the trials, their results
+    and the front do not depend on the number of workers (1: serial here; 2: Ray tasks finishing in
+    any order).  12 trials = the greedy seeds and TPE's proposals over two batches."""
+    wl, ctx, setup = tiny
+    runs = {}
+    for workers in (1, 2):
+        db = f"sqlite:///{tmp_path}/w{workers}.db"
+        run_search(setup, ctx, Traffic(None, 120, seed=1), trials=12, storage=db, study_name="d", seed=3,
+                   workers=workers, progress=False)
+        runs[workers] = _trials(db, "d")
+    assert runs[1] == runs[2]
+    assert len(runs[1][0]) == 12 and runs[1][1]
 
 
 def test_a_trial_that_raises_is_recorded_as_failed(tiny, tmp_path, monkeypatch):
@@ -127,21 +149,37 @@ def test_resume_after_kill(tmp_path):
     study = optuna.load_study(study_name="k", storage=db)
     states = [t.state for t in study.trials]
     assert kept <= {t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
-    assert sum(s == optuna.trial.TrialState.FAIL for s in states) <= 1       # at most the one in flight
+    assert not any(s == optuna.trial.TrialState.FAIL for s in states)      # the ones in flight ran again
     assert sum(s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for s in states) == 10
 
 
-def test_search_cli(tmp_path, capsys):
+def test_search_cli(tmp_path, capsys, monkeypatch):
+    """The table; then --json (front.json's content), OPTUNA_STORAGE as the default storage (the
+    same study resumed), Optuna's Pareto-front and hypervolume-history plots, Optuna's verbosity
+    left as it was."""
+    import json
+
+    import optuna
     import yaml
 
     from lora_opt.cli import main
     wfile = tmp_path / "w.yaml"
     wfile.write_text(yaml.safe_dump(TINY))
-    rc = main(["search", "--workload", str(wfile), "--gpus", "2", "--trials", "4", "--workers", "1",
-               "--out", str(tmp_path / "o"), "--ttft-slo-ms", "2000"])
+    db = tmp_path / "env.db"
+    monkeypatch.setenv("OPTUNA_STORAGE", f"sqlite:///{db}")
+    before = optuna.logging.get_verbosity()
+    args = ["search", "--workload", str(wfile), "--gpus", "2", "--trials", "4", "--workers", "1",
+            "--out", str(tmp_path / "o"), "--ttft-slo-ms", "2000"]
+    rc = main(args)
     text = capsys.readouterr().out
     assert rc == 0 and "Pareto front" in text and "TTFT <= 2000 ms" in text
-    assert (tmp_path / "o" / "front.json").exists() and (tmp_path / "o" / "study.db").exists()
+    assert (tmp_path / "o" / "front.json").exists() and db.exists() and not (tmp_path / "o" / "study.db").exists()
+    for name in ("pareto_front.png", "hypervolume_history.png"):
+        assert (tmp_path / "o" / name).read_bytes()[:4] == b"\x89PNG"
+    assert optuna.logging.get_verbosity() == before
+    assert main(args[:6] + ["5"] + args[7:] + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["storage"] == f"sqlite:///{db}" and res["trials"] == 5 and res["front"] and res["backend"] == "ask-tell"
 
 
 def test_criterion_validation():
@@ -192,9 +230,9 @@ def test_pareto_cli_end_to_end(tmp_path, capsys):
     wfile.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "p"
     rc = main(["pareto", "--workload", str(wfile), "--gpus", "2", "--rhos", "0.8", "--ttft-slos-ms", "2000",
-               "--itl-slos-ms", "--trials", "3", "--workers", "1", "--out", str(out)])
-    assert rc == 0 and "hypervolume" in capsys.readouterr().out
-    res = json.loads((out / "pareto.json").read_text())
+               "--itl-slos-ms", "--trials", "3", "--workers", "1", "--out", str(out), "--seed", "5", "--json"])
+    res = json.loads(capsys.readouterr().out)               # --json: pareto.json's content, strict JSON
+    assert rc == 0 and res == json.loads((out / "pareto.json").read_text(), parse_constant=lambda _: None)
     assert set(res["hypervolume"]) == {"greedy-plus", "greedy", "search"}
     assert (out / "pareto_front.png").exists() and (out / "report.md").exists()
     for m, front in res["fronts"].items():

@@ -28,7 +28,8 @@ def _place(args: argparse.Namespace) -> int:
 
 def _search(args: argparse.Namespace) -> int:
     from lora_opt.benchmarks import bench_search
-    return bench_search(out=args.out)
+    from lora_opt.search.bench import bench_backends  # both backends side by side (JSON: <out stem>.backends.json)
+    return bench_search(out=args.out) or bench_backends(out=args.out and args.out.rsplit(".", 1)[0] + ".backends.json")
 
 
 def _ray(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ import argparse
 import shlex
 import sys
 
-from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, add_ray_flags, add_tracking_flag, int_range
+from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags, add_tracking_flag, int_range
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
 
@@ -25,24 +25,40 @@ def register(sub) -> None:
     pa.add_argument("--trials", type=int_range(0, 1_000_000), default=24, help="search trials per criterion (0 = greedy policies only)")
     pa.add_argument("--ref-latency-ms", type=POSITIVE_MS, default=60_000.0,
                     help="hypervolume reference latency (default 60 s)")
+    pa.add_argument("--seed", type=SEED, default=0,
+                    help="sampler seed of the studies (the same points for any --workers)")
     add_ray_flags(pa)
     pa.add_argument("--out", help="output directory (default: outputs/pareto-<workload>)")
+    pa.add_argument("--json", action="store_true", help="print the result (pareto.json's content) as JSON")
     add_tracking_flag(pa)
     pa.set_defaults(run=run)
 
 
+#: exit status when no method found a feasible point (as ``search``)
+EXIT_NO_FEASIBLE = 3
+
+
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
+    import json
+
     from lora_opt.placement.workload_file import load_workload
     from lora_opt.search.pareto import ParetoConfig, criteria_sweep, pareto_report
 
     wl = load_workload(args.workload)
     criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
-    config = ParetoConfig(criteria, objective=args.objective, trials=args.trials,
+    config = ParetoConfig(criteria, objective=args.objective, trials=args.trials, seed=args.seed,
                           ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address)
     command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
-    _, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
-                           tracking_uri=args.tracking_uri, command=command)
+    res, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
+                             tracking_uri=args.tracking_uri, command=command)
+    code = 0 if any(res["fronts"].values()) else EXIT_NO_FEASIBLE
+    if args.json:
+        # strict JSON: a point that was never replayed has latency NaN -> null
+        print(json.dumps(json.loads(json.dumps(res, default=str), parse_constant=lambda _: None), indent=1))
+        return code
     print((out / "report.md").read_text().split("## Every point")[0])
+    if code:
+        print(f"no feasible point: no method met any criterion (exit status {EXIT_NO_FEASIBLE})")
     print(f"-> {out}/report.md, pareto.json, pareto_front.png")
-    return 0
+    return code

@@ -7,7 +7,7 @@ from pathlib import Path
 from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, int_range
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
-from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
+from lora_opt.search.study import BACKENDS, DEFAULT_BATCH, DEFAULT_OBJECTIVE, OBJECTIVES
 
 
 def add_criterion_flags(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,8 @@ def register(sub) -> None:
     se.add_argument("--workload", required=True, help="workload YAML/JSON")
     se.add_argument("--gpus", type=GPUS, required=True, help="GPUs in the pool")
     se.add_argument("--trials", type=int_range(1, 1_000_000), default=64, help="trials in the study, counting resumed ones (default 64)")
-    se.add_argument("--storage", help="Optuna storage URL (default: sqlite:///<out>/study.db; resumes)")
+    se.add_argument("--storage", help="Optuna storage URL (default: $OPTUNA_STORAGE, else sqlite:///<out>/study.db; "
+                                      "resumes)")
     se.add_argument("--study", help="study name (default: <workload>-<gpus>gpus-<objective>)")
     se.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES),
                     help=f"latency objective (default {DEFAULT_OBJECTIVE})")
@@ -31,13 +32,22 @@ def register(sub) -> None:
     se.add_argument("--history", metavar="LOG.csv",
                     help="request log (as for place): rates and search traffic from its first half, the front "
                          "replayed on its second half")
-    se.add_argument("--seed", type=SEED, default=0, help="sampler seed")
+    se.add_argument("--seed", type=SEED, default=0,
+                    help="sampler seed (ask-tell: the same trials and front for any --workers)")
+    se.add_argument("--batch", type=int_range(1, 100_000), default=DEFAULT_BATCH,
+                    help=f"ask-tell: trials asked at once, then evaluated in parallel (default {DEFAULT_BATCH}; "
+                         "results depend on it, not on --workers)")
+    se.add_argument("--backend", choices=BACKENDS, default="ask-tell",
+                    help="ask-tell (default): Optuna ask/tell over Ray tasks, reproducible for any --workers; "
+                         "tune: a Ray Tune experiment (needs ray[tune]; resumable through <out>/tune)")
     se.add_argument("--no-seeds", action="store_true", help="do not start from the greedy placements")
-    se.add_argument("--timeout-s", type=POSITIVE_S, default=600.0, help="a trial running longer is recorded as failed")
+    se.add_argument("--timeout-s", type=POSITIVE_S, default=600.0,
+                    help="ask-tell: a trial running longer is recorded as failed")
     se.add_argument("--surrogate", help="surrogate directory for the greedy seeds (default: bundled)")
     add_ray_flags(se, workers_help="parallel trials (1 = serial, no Ray; N > 1 = Ray; default: serial when the trials are too few "
                                         "to pay Ray's start-up, else Ray on all cores)")
     se.add_argument("--out", help="output directory (default: outputs/search-<workload>)")
+    se.add_argument("--json", action="store_true", help="print the result (front.json's content) as JSON")
     se.set_defaults(run=run)
 
 
@@ -48,40 +58,87 @@ def _criterion(args: argparse.Namespace, rho: float):
     return Criterion(rho=args.rho, ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms, attainment=args.attainment)
 
 
+def _stale_note(n: int, backend: str) -> str:
+    if not n:
+        return ""
+    return f", {n} in flight at the last kill " + ("evaluated again" if backend == "ask-tell" else "recorded as failed")
+
+
+#: exit status when the study found no feasible placement (as ``place``'s infeasible)
+EXIT_NO_FEASIBLE = 3
+
+
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
+    import json
+    import os
+
+    from tqdm import tqdm
+
     from lora_opt.placement.policies import PlacementContext
     from lora_opt.placement.workload_file import load_workload
-    from lora_opt.search.study import SearchSetup, front_table, replay_front, run_search, traffic_halves
+    from twin.errors import ScenarioError
 
+    from lora_opt.search.study import (SearchSetup, check_storage, front_table, load_study, replay_front, run_search,
+                                       traffic_halves)
+
+    if args.backend == "tune":
+        try:
+            import ray.tune  # noqa: F401  (optional: the tune extra)
+        except ImportError as exc:
+            raise InputError(f"--backend tune: needs Ray Tune (pip install 'lora-opt[tune]'): {exc}") from None
+    storage = args.storage or os.environ.get("OPTUNA_STORAGE")
     if args.storage:
-        from lora_opt.search.study import check_storage
-        check_storage(args.storage)
-    wl = load_workload(args.workload)
+        check_storage(storage)
+    elif storage:
+        try:
+            check_storage(storage)
+        except ScenarioError as exc:
+            raise InputError(str(exc).replace("--storage", "OPTUNA_STORAGE (the default --storage)", 1)) from None
     if args.trials < 1:
         raise InputError(f"--trials: must be >= 1, got {args.trials}")
-    out = Path(args.out or f"outputs/search-{wl.name}")
-    out.mkdir(parents=True, exist_ok=True)
-    storage = args.storage or f"sqlite:///{out / 'study.db'}"
-    # with a log, its first half sets the rates and is searched on; its second half is held out
-    wl, search_traffic, heldout, ctx_kw = traffic_halves(wl, args.history)
-    ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
-    setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective)
-    res = run_search(setup, ctx, search_traffic, trials=args.trials,
-                     storage=storage, study_name=args.study, seed=args.seed, workers=args.workers,
-                     ray_address=args.ray_address, timeout_s=args.timeout_s, seeds=not args.no_seeds)
+    with tqdm(total=None, desc="search: loading the workload, surrogate and traffic", bar_format="{desc} [{elapsed}]",
+              disable=args.json) as prep:
+        wl = load_workload(args.workload)
+        out = Path(args.out or f"outputs/search-{wl.name}")
+        out.mkdir(parents=True, exist_ok=True)
+        storage = storage or f"sqlite:///{out / 'study.db'}"
+        # with a log, its first half sets the rates and is searched on; its second half is held out
+        wl, search_traffic, heldout, ctx_kw = traffic_halves(wl, args.history)
+        ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
+        setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective, batch=args.batch)
+        prep.set_description_str("search: setup ready")
+    kw = dict(trials=args.trials, storage=storage, study_name=args.study, seed=args.seed, workers=args.workers,
+              ray_address=args.ray_address, seeds=not args.no_seeds)
+    if args.backend == "tune":
+        from lora_opt.search.tune import run_tune_search
+        res = run_tune_search(setup, ctx, search_traffic, tune_dir=out / "tune", **kw)
+    else:
+        res = run_search(setup, ctx, search_traffic, timeout_s=args.timeout_s, **kw)
     rows = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
     for r in rows:
         r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
-    atomic_write_json(out / "front.json", {"study": res.study_name, "storage": res.storage,
-                                           "criterion": setup.criterion.label, "objective": args.objective,
-                                           "trials": res.trials, "complete": res.complete,
-                                           "failed": res.failed, "wall_s": res.wall_s, "front": rows},
-                      indent=1, default=str)
-    print(f"study {res.study_name} in {res.storage}: {res.trials} trials ({res.complete} complete, {res.failed} "
-          f"failed{f', {res.resumed_stale} in flight at the last kill marked failed' if res.resumed_stale else ''}); "
+    from lora_opt.search.plots import write_study_plots
+    plots = write_study_plots(load_study(res.storage, res.study_name), out, args.gpus, args.objective)
+    result = {"study": res.study_name, "storage": res.storage, "backend": args.backend, "seed": args.seed,
+              "reproducible": args.backend == "ask-tell",
+              "criterion": setup.criterion.label, "objective": args.objective, "trials": res.trials,
+              "complete": res.complete, "failed": res.failed, "wall_s": res.wall_s, "front": rows,
+              "plots": [str(p) for p in plots]}
+    atomic_write_json(out / "front.json", result, indent=1, default=str)
+    code = 0 if rows else EXIT_NO_FEASIBLE
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+        return code
+    print(f"study {res.study_name} in {res.storage} ({args.backend}): {res.trials} trials ({res.complete} complete, "
+          f"{res.failed} failed{_stale_note(res.resumed_stale, args.backend)}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")
+    if args.backend == "tune":
+        print("  (tune: the trials depend on the order they finished in -- not reproducible across runs or "
+              "--workers; the default backend is)")
     print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
-    print(front_table(rows, args.objective) if rows else "  no feasible trial yet")
-    print(f"  -> {out}/front.json, placement-*.json;  optuna-dashboard {res.storage}")
-    return 0
+    print(front_table(rows, args.objective) if rows else "  no feasible trial: no placement met the criterion "
+          f"(exit status {EXIT_NO_FEASIBLE}); try more --trials or --gpus, or a looser criterion")
+    print(f"  -> {out}/front.json, placement-*.json, pareto_front.png, hypervolume_history.png;  "
+          f"optuna-dashboard {res.storage}")
+    return code

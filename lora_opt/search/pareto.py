@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from lora_opt.io import atomic_write_json, atomic_write_text
 from lora_opt.placement.evaluate import Criterion, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
-from lora_opt.search.study import (DEFAULT_OBJECTIVE, SearchSetup, Traffic, hypervolume, nondominated,
+from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, hypervolume, nondominated,
                                    objective_value, replay, replay_front, run_search, traffic_halves)
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
@@ -32,6 +33,13 @@ def criteria_sweep(rhos, ttft_slos_ms, itl_slos_ms, attainment: float) -> list[C
     out += [Criterion(rho=None, ttft_ms=t, attainment=attainment) for t in ttft_slos_ms or []]
     out += [Criterion(rho=None, itl_ms=t, attainment=attainment) for t in itl_slos_ms or []]
     return out
+
+
+def criterion_seed(seed: int, index: int) -> int:
+    """The sampler seed of the sweep's ``index``-th study: independent streams per criterion (one
+    seed for all would make the studies propose the same trials until their constraints differ --
+    nine copies of one search), all fixed by ``seed``."""
+    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0])
 
 
 def _replay(p, wl, traffic: Traffic, criterion, objective, workers, ray_address):
@@ -55,7 +63,7 @@ class ParetoConfig:
     """Latency objective (a key of ``lora_opt.search.study.OBJECTIVES``), measured on the replay."""
     trials: int = 24
     """Search trials per criterion (0 = the greedy policies only)."""
-    ref_latency_ms: float = 60_000.0
+    ref_latency_ms: float = REF_LATENCY_MS
     """Hypervolume reference latency (ms); the reference GPU count is the pool + 1."""
     workers: int | None = None
     """Parallel workers for replays and trials (1 = serial, no Ray; None = all cores)."""
@@ -63,6 +71,9 @@ class ParetoConfig:
     """Existing Ray cluster (None = ``RAY_ADDRESS`` or a local instance)."""
     progress: bool = True
     """A progress bar over the criteria (stderr)."""
+    seed: int = 0
+    """Seed of the studies' samplers (one stream per criterion, ``criterion_seed``): the same
+    trials and fronts whatever ``workers`` (``lora_opt.search.study.run_search``)."""
 
 
 def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traffic, eval_traffic: Traffic,
@@ -75,7 +86,7 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
     points: list[dict] = []
     cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
     greedy_p = None
-    for c in tqdm(criteria, desc="criteria", unit="criterion", disable=not config.progress):
+    for i, c in enumerate(tqdm(criteria, desc="criteria", unit="criterion", disable=not config.progress)):
         t = time.perf_counter()
         p = get_policy("greedy-plus", ttft_p99_s=None, criterion=c).place(wl, pool, history_ctx or ctx)
         if p.meta["feasible"]:
@@ -98,7 +109,9 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
             setup = SearchSetup.build(wl, pool, ctx, c, objective)
             name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
             res = run_search(setup, history_ctx or ctx, search_traffic, trials=trials, storage=f"sqlite:///{storage_dir / 'studies.db'}",
-                             study_name=name, workers=workers, ray_address=ray_address, progress=False)
+                             study_name=name, seed=criterion_seed(config.seed, i), workers=workers,
+                             ray_address=ray_address,
+                             progress=False)
             for r in replay_front(res.front, setup, eval_traffic, workers=workers, ray_address=ray_address):
                 points.append({"method": "search", "criterion": c.label, "gpus": r["gpus"],
                                "latency_ms": r["heldout"], "feasible": r["heldout_feasible"],

@@ -21,13 +21,15 @@ Trials run on *search traffic* (the observed history of a trace split, or the wo
 with another seed); the front is then replayed on the held-out evaluation traffic and both numbers
 are reported, so the search cannot overfit the traffic it is judged on.
 
-Ask/tell over Ray tasks rather than Ray Tune + OptunaSearch: measured on this machine, ask/tell
-with Ray tasks costs ~1-8 s of overhead per 64 trials against 100+ s for Tune (5 s with actor
-reuse), and Tune reaches a multi-objective front only through a storage we would pass anyway; with
-ask/tell the study lives in one SQLite file that resumes after a kill and optuna-dashboard opens.
+Ask/tell over Ray tasks is the default backend, and the reproducible one: ``run_search`` asks fixed
+batches, evaluates them in parallel and tells them in trial order, so a seeded study gives the same
+trials whatever the number of workers.  ``lora_opt.search.tune`` runs the same study as a Ray Tune
+experiment (``--backend tune``); ``lora-opt bench search`` compares the two.  Either way the study
+lives in one Optuna storage (SQLite by default) that resumes after a kill and optuna-dashboard opens.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -59,6 +61,10 @@ CONSTRAINTS = ("starving_gpus", "gpus_failing_startup", "unplaced_adapters")
 NO_LATENCY = 1e9
 #: A_max searched up to this (clipped per GPU to its adapters and its memory)
 AMAX_MAX = 1024
+#: trials asked per batch before any of them is told.  A property of the study -- never of the
+#: number of workers -- so that a seeded study proposes the same trials on 1 worker, 2 or a cluster
+#: (``run_search``); up to this many trials run at once.
+DEFAULT_BATCH = 8
 
 
 @dataclass
@@ -105,10 +111,13 @@ class SearchSetup:
     criterion: Criterion
     objective: str = DEFAULT_OBJECTIVE
     grace_s: float = GRACE_S
+    batch: int = DEFAULT_BATCH
+    """trials the ask/tell study asks at once (``run_search``): the results depend on it, not on
+    the number of workers"""
 
     @classmethod
     def build(cls, wl: Workload, pool: int, ctx: PlacementContext, criterion: Criterion | None = None,
-              objective: str = DEFAULT_OBJECTIVE) -> SearchSetup:
+              objective: str = DEFAULT_OBJECTIVE, batch: int = DEFAULT_BATCH) -> SearchSetup:
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
         if not isinstance(pool, int) or pool < 1:
@@ -119,7 +128,10 @@ class SearchSetup:
         mml = e.max_model_len or prof.model.max_model_len
         caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
                                              mml, e.max_num_seqs, AMAX_MAX) for r in set(ranks.tolist())}
-        return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective)
+        if not isinstance(batch, int) or batch < 1:
+            raise ScenarioError(f"batch: must be an integer >= 1, got {batch!r}")
+        return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective,
+                   batch=batch)
 
 
 def suggest(trial, setup: SearchSetup) -> dict:
@@ -216,6 +228,7 @@ class SearchResult:
     front: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     resumed_stale: int = 0
+    """trials a killed run had in flight, evaluated again"""
 
 
 def seed_placements(setup: SearchSetup, ctx: PlacementContext, rhos=(0.7, 0.8, 0.9, 0.95)) -> list[tuple[str, Placement]]:
@@ -265,74 +278,178 @@ def open_storage(storage: str, attempts: int = 5):
             time.sleep(0.2 * (attempt + 1))
 
 
+#: how trials are driven: Optuna ask/tell over Ray tasks (``run_search``), or a Ray Tune experiment
+#: (``lora_opt.search.tune.run_tune_search``)
+BACKENDS = ("ask-tell", "tune")
+#: hypervolume reference latency (ms) of the study's plots and of ``lora-opt pareto``
+REF_LATENCY_MS = 60_000.0
+
+
+@contextlib.contextmanager
+def optuna_quiet():
+    """Optuna's INFO lines off for the duration (its verbosity restored afterwards: a library must not
+    change a process-wide setting for good); "experimental" warnings (multivariate TPE, metric names)
+    silenced."""
+    import optuna  # heavy optional dependency: only when a study runs
+
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            yield
+    finally:
+        optuna.logging.set_verbosity(before)
+
+
+def batch_sampler(seed: int, told: int):
+    """The sampler of the batch that starts when the study holds ``told`` trials: TPE seeded from
+    (``seed``, ``told``), so the proposals depend on the seed and the study's trials only -- not on
+    how many workers ran the previous batches, in which order they finished, or whether the run was
+    resumed at a batch boundary."""
+    import optuna  # heavy optional dependency: only when a study runs
+
+    derived = int(np.random.SeedSequence([int(seed), int(told)]).generate_state(1)[0])
+    return optuna.samplers.TPESampler(seed=derived, multivariate=True, group=True, n_startup_trials=10)
+
+
+def open_study(setup: SearchSetup, storage: str, study_name: str | None, seed: int):
+    """(study, name): created or loaded, metric names set."""
+    import optuna  # heavy optional dependency: only when a study runs
+
+    name = study_name or f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
+    study = optuna.create_study(study_name=name, storage=open_storage(storage), sampler=batch_sampler(seed, 0),
+                                directions=["minimize", "minimize"], load_if_exists=True)
+    study.set_metric_names(["gpus", setup.objective])
+    return study, name
+
+
+def load_study(storage: str, study_name: str):
+    """An existing study, through ``open_storage``."""
+    import optuna  # heavy optional dependency: only when a study runs
+
+    return optuna.load_study(study_name=study_name, storage=open_storage(storage))
+
+
+def stale_batch(study) -> list[tuple[Any, dict]]:
+    """Trials left RUNNING by a killed run, as a batch to evaluate again (their parameters were
+    fixed when they were asked): a resumed study then holds what an uninterrupted one would."""
+    import optuna  # heavy optional dependency: only when a study runs
+    from optuna.trial import TrialState
+
+    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    # a live Trial over the stored one, so that constraints and attributes can be set on it
+    return [(optuna.trial.Trial(study, t._trial_id), dict(t.params)) for t in sorted(stale, key=lambda t: t.number)]
+
+
+def enqueue_seeds(study, setup: SearchSetup, ctx: PlacementContext) -> int:
+    """On a new study, the greedy placements (``seed_placements``) as its first trials; how many."""
+    if study.get_trials(deepcopy=False):
+        return 0
+    seen = set()
+    for label, p in seed_placements(setup, ctx):
+        params = encode(p, setup)
+        key = None if params is None else tuple(sorted(params.items()))
+        if params is not None and key not in seen:
+            seen.add(key)
+            study.enqueue_trial(params, user_attrs={"seed": label})
+    return len(seen)
+
+
+def record_trial(study, trial, out) -> None:
+    """Tell the study a trial's outcome: a result dict of ``run_trial`` (constraints as Optuna
+    constraints, metrics as user attributes), or the exception it raised (failed)."""
+    from optuna.trial import TrialState  # heavy optional dependency: only when a study runs
+
+    if isinstance(out, BaseException):        # a failing or timed-out trial; the study goes on
+        trial.set_user_attr("error", f"{type(out).__name__}: {out}"[:500])
+        study.tell(trial, state=TrialState.FAIL)
+        return
+    for name, v in zip(CONSTRAINTS, out["constraints"]):
+        trial.set_constraint(name, v)         # Optuna's constraints: feasible iff all <= 0
+    trial.set_user_attr("constraints", out["constraints"])
+    for k, v in out["metrics"].items():
+        trial.set_user_attr(k, v)
+    trial.set_user_attr("wall_s", out["wall_s"])
+    study.tell(trial, out["values"])
+
+
+def finished_trials(study) -> int:
+    from optuna.trial import TrialState  # heavy optional dependency: only when a study runs
+
+    return sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.get_trials(deepcopy=False))
+
+
+def run_batch(study, batch: list[tuple[Any, dict]], setup_ref, traffic_ref, pool: TaskPool, timeout_s: float | None,
+              bar) -> None:
+    """Evaluate a batch of asked trials (``(trial, params)``) on ``pool`` -- as many at once as it has
+    room for -- and tell them in trial-number order, each as soon as every earlier one is in: what
+    the study holds after the batch does not depend on the number of workers or the order in which
+    trials finished."""
+    todo, results, told = list(batch), {}, 0
+    while told < len(batch):
+        while todo and pool.free > 0:
+            trial, params = todo.pop(0)
+            pool.submit(trial.number, params, setup_ref, traffic_ref)
+        number, out = pool.next_done(timeout_s)
+        results[number] = out
+        bar.update(1)
+        while told < len(batch) and batch[told][0].number in results:
+            record_trial(study, batch[told][0], results.pop(batch[told][0].number))
+            told += 1
+
+
 def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, trials: int = 64,
                storage: str | None = None, study_name: str | None = None, seed: int = 0,
                workers: int | None = None, ray_address: str | None = None, timeout_s: float | None = 600.0,
                seeds: bool = True, progress: bool = True) -> SearchResult:
-    """Run (or resume) the study until ``trials`` trials have finished."""
-    import optuna  # heavy optional dependency: only when a study runs
-    from optuna.trial import TrialState
+    """Run (or resume) the study until ``trials`` trials have finished.
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    Reproducible: trials are asked ``setup.batch`` at a time (the sampler seeded from ``seed`` and the
+    number of trials so far, ``batch_sampler``), evaluated in parallel, and told in trial-number
+    order, so a seeded study gives the same trials and front on any number of workers, and the
+    trials a killed run had in flight are evaluated again when it resumes.  The exception: a trial
+    that fails by running past ``timeout_s`` (a matter of timing)."""
     t0 = time.perf_counter()
     storage = storage or "sqlite:///lora-opt-search.db"
-    rdb = open_storage(storage)
-    study_name = study_name or f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
-    with warnings.catch_warnings():       # multivariate/group and metric names are "experimental"
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=10)
-        study = optuna.create_study(study_name=study_name, storage=rdb, sampler=sampler,
-                                    directions=["minimize", "minimize"], load_if_exists=True)
-        study.set_metric_names(["gpus", setup.objective])
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
-    resumed_stale = 0
-    for t in stale:                        # in flight when a previous run was killed
-        if t.state == TrialState.RUNNING:
-            study.tell(t.number, state=TrialState.FAIL)
-            resumed_stale += 1
-    if seeds and not study.get_trials(deepcopy=False):
-        seen = set()
-        for label, p in seed_placements(setup, ctx):
-            params = encode(p, setup)
-            key = None if params is None else tuple(sorted(params.items()))
-            if params is not None and key not in seen:
-                seen.add(key)
-                study.enqueue_trial(params, user_attrs={"seed": label})
-    finished = lambda: sum(t.state in (TrialState.COMPLETE, TrialState.FAIL)  # noqa: E731
-                           for t in study.get_trials(deepcopy=False))
-    done0 = finished()
-    pool = TaskPool(run_trial, workers=workers, ray_address=ray_address, tasks=max(0, trials - done0))
-    setup_ref, traffic_ref = pool.put(setup), pool.put(traffic)
-    with tqdm(total=max(0, trials - done0), desc=f"study {study_name}", unit="trial", disable=not progress) as bar:
-        asked, live = done0, {}
-        while asked < trials or pool.busy:
-            while asked < trials and pool.free > 0:
-                trial = study.ask()
-                live[trial.number] = trial
-                pool.submit(trial.number, suggest(trial, setup), setup_ref, traffic_ref)
-                asked += 1
-            number, out = pool.next_done(timeout_s)
-            trial = live.pop(number)
-            if isinstance(out, BaseException):       # a failing or timed-out trial; the study goes on
-                trial.set_user_attr("error", f"{type(out).__name__}: {out}"[:500])
-                study.tell(trial, state=TrialState.FAIL)
-            else:
-                for name, v in zip(CONSTRAINTS, out["constraints"]):
-                    trial.set_constraint(name, v)     # Optuna's constraints: feasible iff all <= 0
-                trial.set_user_attr("constraints", out["constraints"])
-                for k, v in out["metrics"].items():
-                    trial.set_user_attr(k, v)
-                trial.set_user_attr("wall_s", out["wall_s"])
-                study.tell(trial, out["values"])
-            bar.update(1)
-    all_trials = study.get_trials(deepcopy=False)
-    front = []
-    for t in pareto_front(all_trials):
-        front.append({"trial": t.number, "gpus": int(t.values[0]), setup.objective: t.values[1],
-                      "params": t.params, "seed": t.user_attrs.get("seed")})
-    return SearchResult(study_name, storage, len(all_trials), sum(t.state == TrialState.COMPLETE for t in all_trials),
-                        sum(t.state == TrialState.FAIL for t in all_trials), front, time.perf_counter() - t0,
-                        resumed_stale)
+    with optuna_quiet(), tqdm(total=trials, desc="search: greedy seeds", unit="trial", disable=not progress) as bar:
+        study, study_name = open_study(setup, storage, study_name, seed)
+        stale = stale_batch(study)
+        if seeds:
+            enqueue_seeds(study, setup, ctx)
+        done0 = finished_trials(study)
+        bar.update(done0)
+        bar.set_description_str(f"study {study_name}")
+        pool = TaskPool(run_trial, workers=workers, ray_address=ray_address, tasks=max(0, trials - done0))
+        setup_ref, traffic_ref = pool.put(setup), pool.put(traffic)
+        if stale:
+            run_batch(study, stale, setup_ref, traffic_ref, pool, timeout_s, bar)
+        while (left := trials - finished_trials(study)) > 0:
+            study.sampler = batch_sampler(seed, len(study.get_trials(deepcopy=False)))
+            asked = [study.ask() for _ in range(min(setup.batch, left))]
+            run_batch(study, [(t, suggest(t, setup)) for t in asked], setup_ref, traffic_ref, pool, timeout_s, bar)
+        front = front_rows(study, setup.objective)
+        all_trials = study.get_trials(deepcopy=False)
+    return SearchResult(study_name, storage, len(all_trials), sum(t.state.name == "COMPLETE" for t in all_trials),
+                        sum(t.state.name == "FAIL" for t in all_trials), front, time.perf_counter() - t0,
+                        len(stale))
+
+
+def study_front(study) -> list:
+    """The study's Pareto front: Optuna's ``best_trials`` (complete, feasible under the trials'
+    constraints, non-dominated), one trial per distinct objective pair (the lowest number), by GPUs."""
+    front, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: (t.values[0], t.values[1], t.number)):
+        if tuple(t.values) not in seen:
+            seen.add(tuple(t.values))
+            front.append(t)
+    return front
+
+
+def front_rows(study, objective: str) -> list[dict]:
+    """``study_front`` as rows: trial, GPUs, the objective (ms), parameters, greedy seed label."""
+    return [{"trial": t.number, "gpus": int(t.values[0]), objective: t.values[1], "params": t.params,
+             "seed": t.user_attrs.get("seed")} for t in study_front(study)]
 
 
 def nondominated(items, objectives) -> list:
@@ -345,15 +462,6 @@ def nondominated(items, objectives) -> list:
             front.append(it)
             kept.append(v)
     return front
-
-
-def pareto_front(trials) -> list:
-    """Feasible complete trials no other feasible trial dominates (ties: lowest number)."""
-    from optuna.trial import TrialState  # heavy optional dependency: only when a study runs
-
-    ok = [t for t in sorted(trials, key=lambda t: t.number) if t.state == TrialState.COMPLETE
-          and t.values is not None and all(c <= 0 for c in t.user_attrs.get("constraints", [1.0]))]
-    return nondominated(ok, lambda t: (t.values[0], t.values[1]))
 
 
 def hypervolume(points, ref) -> float:
