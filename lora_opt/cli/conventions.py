@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from tqdm import tqdm
+
 #: exit statuses (README "Command-line conventions" and ``lora-opt --help`` list them)
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -90,6 +92,17 @@ class _Console(logging.Formatter):
         return f"{who}: {level}{msg}"
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """A stderr handler that writes through ``tqdm.write``: a log line above a progress bar, not
+    through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:                    # logging's contract: never raise from emit
+            self.handleError(record)
+
+
 class _Threshold(logging.Filter):
     """Per-handler thresholds: one for our loggers, one for everybody else's."""
 
@@ -116,7 +129,7 @@ def setup_logging(level: int = 0, log_file: str | None = None, stream=None) -> N
     # pass our thresholds and reach --log-file like everybody's (the user's setting wins)
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     own_c, other_c = _CONSOLE_LEVELS[level]
-    console = logging.StreamHandler(stream or sys.stderr)
+    console = _ConsoleHandler(stream or sys.stderr)
     console.setFormatter(_Console(_CONSOLE_FORMAT))
     console.addFilter(_Threshold(own_c, other_c))
     handlers: list[logging.Handler] = [console]

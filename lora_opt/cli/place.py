@@ -64,8 +64,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
     verdict (or one JSON object); the verdict's exit status."""
     from lora_opt.placement.policies import PlacementContext, get_policy
-    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, verdict,
-                                           write_outputs)
+    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, table_notes,
+                                           verdict, write_outputs)
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
@@ -91,13 +91,11 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     if history:
         out.write(f"rates from {history}: {len(log):,} requests over {span:,.0f} s\n")
     out.write(placement_table(p) + "\n")
+    for note in table_notes(p):          # what the columns mean, for the values shown
+        out.write(f"  {note}\n")
     for note in p.meta.get("notes", []):
         out.write(f"note: {note}\n")
     out.write(message + "\n")
-    if p.meta.get("starvation_margin") and any(x is not None for x in p.meta["starvation_margin"]):
-        out.write("margin = capacity headroom over the expected load the surrogate predicts (negative: "
-                  "overloaded, yet within rho); twin = the GPU passed the twin at that x its load (not starving, "
-                  "p99 TTFT within bound), which overrules the surrogate\n")
     for w in written:
         out.write(f"  -> {w}\n")
     return code
