@@ -162,3 +162,33 @@ def setup_logging(level: int = 0, log_file: str | None = None, stream=None) -> N
         lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)
                        or isinstance(h, logging.FileHandler)]
     logging.captureWarnings(True)
+
+
+
+class _LinesToLog:
+    """A text stream whose lines become INFO records of one logger (MLflow's event prints)."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger, self.enabled, self._buf = logger, True, ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            if line.strip() and self.enabled:
+                self.logger.info(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def route_mlflow_prints() -> None:
+    """MLflow prints some events itself (``Successfully registered model ...``, ``Created version
+    ...``) to its own stream, not through logging (and toggles that stream around model logging):
+    make that stream's lines INFO records of the ``mlflow`` logger, shown with -v and in
+    --log-file like MLflow's other INFO.  Only for commands that import MLflow anyway."""
+    import mlflow.utils.logging_utils as mlflow_logging  # heavy optional dependency: this command logs to MLflow
+
+    if not isinstance(mlflow_logging.MLFLOW_LOGGING_STREAM, _LinesToLog):
+        mlflow_logging.MLFLOW_LOGGING_STREAM = _LinesToLog(logging.getLogger("mlflow"))
