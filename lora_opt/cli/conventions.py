@@ -94,11 +94,16 @@ class _Console(logging.Formatter):
 
 class _ConsoleHandler(logging.StreamHandler):
     """A stderr handler that writes through ``tqdm.write``: a log line above a progress bar, not
-    through it."""
+    through it.  Without an explicit stream it writes to ``sys.stderr`` as it is at each record
+    (a replaced or captured stderr, as in tests, is followed, never written to once closed)."""
+
+    def __init__(self, stream=None):
+        super().__init__(stream)
+        self._explicit = stream
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(self.format(record), file=self._explicit or sys.stderr)
         except Exception:                    # logging's contract: never raise from emit
             self.handleError(record)
 
@@ -129,7 +134,7 @@ def setup_logging(level: int = 0, log_file: str | None = None, stream=None) -> N
     # pass our thresholds and reach --log-file like everybody's (the user's setting wins)
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     own_c, other_c = _CONSOLE_LEVELS[level]
-    console = _ConsoleHandler(stream or sys.stderr)
+    console = _ConsoleHandler(stream)
     console.setFormatter(_Console(_CONSOLE_FORMAT))
     console.addFilter(_Threshold(own_c, other_c))
     handlers: list[logging.Handler] = [console]

@@ -29,9 +29,9 @@ def _fmt_stats(s: dict) -> str:
     return f"mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}"
 
 
-def print_summary(res, sc, out=sys.stdout) -> None:
-    """The human-readable summary of one simulation result."""
-    w = out.write
+def print_summary(res, sc, out=None) -> None:
+    """The human-readable summary of one simulation result (to ``out``, default: stdout as it is now)."""
+    w = (out or sys.stdout).write
     e = res.engine
     w(f"profile {sc.profile}   max_loras {e['max_loras']}   max_lora_rank {e['max_lora_rank']}   "
       f"max_cpu_loras {e['max_cpu_loras']}   max_num_seqs {e['max_num_seqs']}   "
