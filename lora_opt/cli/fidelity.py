@@ -11,8 +11,8 @@ def register(sub) -> None:
     f = sub.add_parser("fidelity", help="replay the real vLLM runs on the twin and compare, with the published twin")
     f.add_argument("--runs", default=str(REAL_RUNS_CSV),
                    help="real runs CSV (default: the bundled one)")
-    f.add_argument("--family", help="only experiments containing this text (e.g. rank_32_rates_1.6: report-half runs "
-                                    "of two models, about 80; a family of the fit half -- rank_16_ for Llama-3.1 and "
+    f.add_argument("--family", help="only experiments containing this text (e.g. rank_32_rates_1.6: 67 report-half runs "
+                                    "of two models, a few minutes; a family of the fit half -- rank_16_ for Llama-3.1 and "
                                     "Qwen, rate_0.0125 for Llama-2 -- was fitted on, and is reported as such)")
     f.add_argument("--out", default="outputs/fidelity", help="report directory")
     add_ray_flags(f)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from lora_opt.cli.common import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float
+from lora_opt.cli.conventions import show_progress
 from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 
 
@@ -40,7 +41,7 @@ def register(sub) -> None:
 def _policy_options(args: argparse.Namespace) -> dict:
     opts = {}
     if args.policy == "greedy-plus":
-        opts["progress"] = sys.stderr.isatty() and not args.json
+        opts["progress"] = sys.stderr.isatty() and show_progress(args)
         for k in ("margin", "verify_s", "ttft_p99_s", "oracle"):
             v = getattr(args, k, None)
             if v is not None:

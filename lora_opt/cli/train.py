@@ -41,4 +41,7 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v:.3g}" for k, v in clf["test"].items() if isinstance(v, float)))
     print("distilled : " + ", ".join(f"{k} {v} leaves" for k, v in m['distilled']['leaves'].items()))
     print(f"surrogate -> {args.out} (surrogate.json, surrogate.skops, distilled.json, rules.txt, metrics.json)")
+    run = m.get("mlflow") or {}
+    if run.get("tracking_uri"):        # where the run is: the store a user opens with mlflow ui
+        print(f"MLflow    : run {run['run_id']} (experiment {run['experiment']}) in {run['tracking_uri']}")
     return 0

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from lora_opt.cli.common import POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range
+from lora_opt.cli.conventions import show_progress
 
 
 def register(sub) -> None:
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": wl.name}
     summary, status = validate_placement(p, wl, urls, args.out, speed=args.speed, scrape_s=args.scrape_s,
                                          workers=args.workers, meta=meta, tracking_uri=args.tracking_uri,
-                                         track=not args.no_track, progress=not args.json)
+                                         track=not args.no_track, progress=show_progress(args))
     if args.json:
         print(json.dumps({k: summary[k] for k in ("info", "comparison", "bench", "exit_status")}, default=str))
         return status
