@@ -244,3 +244,18 @@ def test_fidelity_help_example_is_a_family_with_report_half_runs():
     rows = select_runs(realruns.load_runs(), family)
     report = [e for m, e in zip(rows["model"], rows["experiment"]) if FIT_HALF.get(m, "\0") not in e]
     assert len(rows) >= 20 and len(report) == len(rows)
+
+
+@pytest.mark.slow       # ~40 s: labels a small dataset on the twin, then trains (train_cli runs by default in test_surrogate)
+def test_train_json_is_the_metrics_and_mlflow_prints_are_log_records(tmp_path, capsys, restore_logging):
+    from test_surrogate import twin_frame, write_shards
+    data = write_shards(twin_frame(workloads=8), tmp_path / "data")
+    log_file = tmp_path / "train.log"
+    rc = cli.main(["train", "--dataset", str(data), "--out", str(tmp_path / "out"), "--fast", "--json",
+                   "--tracking-uri", f"sqlite:///{tmp_path}/m.db", "--log-file", str(log_file)])
+    captured = capsys.readouterr()
+    assert rc == EXIT_OK
+    metrics = json.loads(captured.out)
+    assert metrics == json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert "Successfully registered model" not in captured.err             # MLflow's own prints: not on stderr
+    assert "mlflow: Successfully registered model 'lora-opt-throughput'" in log_file.read_text()
