@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "digital twin of the engine and the tools built on it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_logging_flags(p)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
     for command_parser in sub.choices.values():     # the logging flags also after the command

@@ -37,8 +37,8 @@ exit status:
   {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); what was finished is kept
 
 environment: MLFLOW_TRACKING_URI (where runs are recorded; --tracking-uri wins), OPTUNA_STORAGE
-(search, pareto), RAY_ADDRESS (an existing Ray cluster); MLflow's, Ray's and Optuna's telemetry is off unless
-the user's own environment variables turn it on."""
+(search, pareto), RAY_ADDRESS (an existing Ray cluster); MLflow's, Ray's and Optuna's telemetry
+is off unless the user's own environment variables turn it on."""
 
 #: the packages whose loggers are ours: INFO shown by default
 OWN_LOGGERS = ("lora_opt", "twin")
@@ -63,7 +63,7 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
                    help="more diagnostics on stderr: -v adds lora-opt's debug lines and third-party "
                         "INFO (MLflow, Ray, uvicorn, httpx), -vv everything")
     g.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                   help="errors only on stderr (no progress bars, no notes)")
+                   help="errors only on stderr (no notes; no progress bars from place, evaluate, dataset, train, validate)")
     g.add_argument("--log-file", metavar="PATH", default=argparse.SUPPRESS,
                    help="also write every diagnostic (debug level, with times) to PATH (appended)")
 
