@@ -34,8 +34,9 @@ def test_same_values_leave_the_file_untouched(tmp_path, src):
     prof = yaml.safe_load(text)
     assert write_profile(path, header_of(text), prof) is False
     record = (prof.get("fit") or {}).get("e2e")
-    if record is not None:          # calibrate-e2e's path: the same fitted values and record
-        assert write_fitted_profile(path, header_of(text), prof, record) is False
+    if record is not None:          # calibrate-e2e's path: the same fitted values, another run's wall time
+        rerun = dict(record, wall_s=record.get("wall_s", 0.0) + 17.0)
+        assert write_fitted_profile(path, header_of(text), prof, rerun) is False
     assert path.read_bytes() == src.read_bytes() and path.stat().st_mtime_ns == 1_000_000_000
 
 
@@ -51,11 +52,13 @@ def test_one_changed_value_changes_only_its_lines(tmp_path):
     prof = yaml.safe_load(before)
     record = dict(prof["fit"]["e2e"])
     record["params"] = dict(record["params"], slot_share=0.65)
+    record["wall_s"] = record["wall_s"] + 5.0            # this run's own wall time
     rank = next(iter(prof["latency"]["lora"]))
     prof["latency"]["lora"][rank]["slot_share"] = 0.65
     assert write_fitted_profile(path, header_of(before), prof, record) is True
     changed = _changed_lines(before, path.read_text())
-    # the latency.lora line and the fit.e2e.params line, each once removed and once added
-    assert len(changed) == 4, changed
-    assert all("slot_share: 0.65" in line for line in changed if line.startswith("+"))
+    # the latency.lora line, the fit.e2e.params line and the record's wall time: each once removed, once added
+    assert len(changed) == 6, changed
+    added = [line for line in changed if line.startswith("+")]
+    assert sum("slot_share: 0.65" in line for line in added) == 2 and sum("wall_s:" in line for line in added) == 1
     assert yaml.safe_load(path.read_text())["fit"]["e2e"]["params"]["slot_share"] == 0.65

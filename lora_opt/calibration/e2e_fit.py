@@ -138,18 +138,31 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         "objective": "mean of throughput and mean-ITL SMAPE on the fit half",
         "fit_half_loss": best_loss, "search": trace,
         "observed_inflight_cap_fit_half": observed_inflight_cap(fit_rows),
+        "wall_s": time.perf_counter() - t0,
     }
     written = write_fitted_profile(prof_path, header, with_e2e_params(base, best_s, best_pf, frontend, best_so),
                                    record)
-    return {**record, "wall_s": time.perf_counter() - t0, "profile_written": written}
+    return {**record, "profile_written": written}
+
+
+#: what a ``fit.e2e`` record holds that is not a result of the fit (it differs on every run)
+RUN_ONLY_KEYS = ("wall_s",)
 
 
 def write_fitted_profile(path: Path, header: str, prof: dict, record: dict) -> bool:
     """``prof`` with ``record`` as its ``fit.e2e``, written in the profile style
     (``lora_opt.calibration.profile_io``) unless the file already holds exactly that: a rerun that
-    fits the same values leaves the profile byte-identical, a changed value changes only its lines.
-    The record holds what the fit depends on, not how long it took (a wall time would differ on
-    every run).  Whether the file was written."""
+    fits the same values leaves the profile byte-identical (the record already there is kept, its
+    wall time included: a wall time alone is no change), a changed value changes only its lines
+    and the record's.  Whether the file was written."""
+    def fitted(rec):
+        return {k: v for k, v in (rec or {}).items() if k not in RUN_ONLY_KEYS}
+
+    old = None
+    if path.is_file():
+        old = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("fit") or {}).get("e2e")
+    if old is not None and fitted(old) == fitted(record):
+        record = old
     prof = dict(prof)
     prof["fit"] = {**(prof.get("fit") or {}), "e2e": record}
     return write_profile(path, header, prof)
