@@ -27,6 +27,7 @@ and the real TTFT of saturated runs equals the server's queueing time, so excess
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -149,20 +150,33 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
 RUN_ONLY_KEYS = ("wall_s",)
 
 
+def same_fit(a, b, rel: float = 1e-9) -> bool:
+    """Whether two fit records (nested dicts, lists, numbers) hold the same values up to float noise
+    (``rel``: a replay's SMAPE can differ in its last bits with the order of a sum)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_fit(a[k], b[k], rel) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_fit(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            return False
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+    return a == b
+
+
 def write_fitted_profile(path: Path, header: str, prof: dict, record: dict) -> bool:
     """``prof`` with ``record`` as its ``fit.e2e``, written in the profile style
-    (``lora_opt.calibration.profile_io``) unless the file already holds exactly that: a rerun that
-    fits the same values leaves the profile byte-identical (the record already there is kept, its
-    wall time included: a wall time alone is no change), a changed value changes only its lines
-    and the record's.  Whether the file was written."""
+    (``lora_opt.calibration.profile_io``) unless the file already holds that fit: a rerun whose
+    record equals the one there (:func:`same_fit`; its wall time aside) leaves the profile
+    byte-identical, a changed value changes only its lines and the record's.  Whether the file
+    was written."""
     def fitted(rec):
         return {k: v for k, v in (rec or {}).items() if k not in RUN_ONLY_KEYS}
 
-    old = None
     if path.is_file():
         old = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("fit") or {}).get("e2e")
-    if old is not None and fitted(old) == fitted(record):
-        record = old
+        if old is not None and same_fit(fitted(old), fitted(record)):
+            return False
     prof = dict(prof)
     prof["fit"] = {**(prof.get("fit") or {}), "e2e": record}
     return write_profile(path, header, prof)
