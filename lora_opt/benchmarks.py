@@ -10,6 +10,9 @@ best wall time is reported.  Memory: peak RSS of that process, and ``sim MB`` = 
 RSS after importing the twin and loading its compiled kernel (what the simulation itself adds).
 Saturated scenarios are run again with ``early_stop`` to show what stopping certainly-starving runs saves.
 
+Each ``bench_*`` returns its report as lines of text (``lora-opt bench`` prints them: library code
+does not print) and writes its numbers as JSON when given ``out``.
+
 ``dataset`` (``bench_dataset``): rows/s of labelling a grid sample with 1 and 2 workers.
 ``place`` (``lora_opt.benchmarks_place``): CPU time of the placement policies and its growth, 1k-1M adapters.
 ``search`` (``bench_search``): parallel efficiency of search trials on Ray.
@@ -94,7 +97,7 @@ def _run(scenario: dict, repeats: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_twin(out: str | None = None, repeats: int = 3) -> int:
+def bench_twin(out: str | None = None, repeats: int = 3) -> list[str]:
     rows = []
     for name, published, target, adapters, slots in tqdm(SCENARIOS, desc="bench twin", unit="scenario"):
         sc = scenario_dict(BASE["profile"], adapters, engine=dict(BASE["engine"], max_loras=slots),
@@ -113,17 +116,18 @@ def bench_twin(out: str | None = None, repeats: int = 3) -> int:
             row["early_stop_at_s"] = e["stopped_early_s"]
             row["early_stop_saving"] = 1 - e["wall_s"] / r["wall_s"]
         rows.append(row)
-    print(f"{'scenario':<66} {'s/sim-h':>8} {'CPU s':>7} {'target':>7} {'x publ.':>8} {'steps/s':>10} "
+    lines: list[str] = []          # the report: lora-opt bench prints it
+    lines.append(f"{'scenario':<66} {'s/sim-h':>8} {'CPU s':>7} {'target':>7} {'x publ.':>8} {'steps/s':>10} "
           f"{'req/s':>9} {'RSS MB':>7} {'sim MB':>7}  early stop")
     for r in rows:
         es = (f"stop at {r['early_stop_at_s']:.0f} s, saves {100 * r['early_stop_saving']:.0f} %"
               if r.get("early_stop_at_s") is not None else
               ("starving, bound never certain" if r["starving"] else "-"))
-        print(f"{r['scenario']:<66} {r['wall_s_per_sim_hour']:8.3f} {r['cpu_s_per_sim_hour']:7.3f} {r['target_s']:7.2f} "
+        lines.append(f"{r['scenario']:<66} {r['wall_s_per_sim_hour']:8.3f} {r['cpu_s_per_sim_hour']:7.3f} {r['target_s']:7.2f} "
               f"{r['speedup_vs_published']:8.0f} {r['steps_per_s']:10,.0f} {r['requests_per_s']:9,.0f} "
               f"{r['peak_rss_mb']:7.0f} {r['sim_rss_mb']:7.0f}  {es}")
     _dump(out, rows)
-    return 0
+    return lines
 
 
 def _time_class(row: dict) -> str:
@@ -136,7 +140,7 @@ def _time_class(row: dict) -> str:
     return "stopped within 10 s" if stopped <= 10.0 else "stopped later"
 
 
-def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
+def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> list[str]:
     """Rows/s of labelling a random sample of a grid with 1 and 2 workers, and the extrapolated
     time of the whole grid (Ray started and warmed before timing)."""
     profile, g = ds.load_grid(grid)
@@ -159,9 +163,10 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
     two = time.perf_counter() - t
     stopped = sum(1 for r in rows1 if r["stopped_early_s"] == r["stopped_early_s"])
     r1, r2 = len(items) / serial, len(items) / two
-    print(f"grid {grid}: {len(points):,} points; sample of {len(items)} (seed {seed}), {stopped} stopped early")
-    print(f"1 worker : {r1:6.2f} rows/s   2 workers: {r2:6.2f} rows/s   speed-up {r2 / r1:.2f}x")
-    print(f"whole grid, extrapolated: {len(points) / r2 / 3600:.2f} h on 2 workers "
+    lines: list[str] = []          # the report: lora-opt bench prints it
+    lines.append(f"grid {grid}: {len(points):,} points; sample of {len(items)} (seed {seed}), {stopped} stopped early")
+    lines.append(f"1 worker : {r1:6.2f} rows/s   2 workers: {r2:6.2f} rows/s   speed-up {r2 / r1:.2f}x")
+    lines.append(f"whole grid, extrapolated: {len(points) / r2 / 3600:.2f} h on 2 workers "
           f"({len(points) / r1 / 3600:.2f} h on 1)")
     # where the time goes (serial run's per-point wall time)
     kinds = {"fails to start (OOM)": 0.0, "full hour, not starving": 0.0, "full hour, starving": 0.0,
@@ -173,11 +178,11 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> int:
         counts[kind] += 1
     total = sum(kinds.values()) or 1.0
     for kind, w in kinds.items():
-        print(f"  {kind:<24} {counts[kind]:5d} points  {100 * w / total:5.1f} % of the time")
-    return 0
+        lines.append(f"  {kind:<24} {counts[kind]:5d} points  {100 * w / total:5.1f} % of the time")
+    return lines
 
 
-def bench_search(out: str | None = None, trials: int = 48, seed: int = 0) -> int:
+def bench_search(out: str | None = None, trials: int = 48, seed: int = 0) -> list[str]:
     """Parallel efficiency of trial evaluation: the same ``trials`` parameter sets (seeded, drawn
     from the search space) evaluated serially and as Ray tasks on 2 workers (Ray started and its
     workers warmed before timing), best of 3 each.  Efficiency = serial time / (2 x parallel time)."""
@@ -219,11 +224,12 @@ def bench_search(out: str | None = None, trials: int = 48, seed: int = 0) -> int
     eff = t1 / (2 * t2)
     row = {"trials": trials, "serial_s": t1, "two_workers_s": t2, "speedup": t1 / t2, "efficiency": eff,
            "s_per_trial_serial": t1 / trials}
-    print(f"{trials} trials (1,280 adapters, azure-conv at 15 req/s, {sp.history_s:.0f} s of traffic each): "
+    lines: list[str] = []          # the report: lora-opt bench prints it
+    lines.append(f"{trials} trials (1,280 adapters, azure-conv at 15 req/s, {sp.history_s:.0f} s of traffic each): "
           f"1 worker {t1:.1f} s, 2 workers {t2:.1f} s -> speed-up {t1 / t2:.2f}x, parallel efficiency {eff:.0%} "
           f"(target >= 80 %)")
     _dump(out, row)
-    return 0
+    return lines
 
 
 _RAY_CHILD = r"""
@@ -253,7 +259,7 @@ print(json.dumps({"import_ray_s": t_import, "init_s": t_init, "first_tasks_s": t
 """
 
 
-def bench_ray(out: str | None = None, repeats: int = 3) -> int:
+def bench_ray(out: str | None = None, repeats: int = 3) -> list[str]:
     """Ray's start-up (``import ray``, ``ray.init``, the first task on every fresh worker -- imports,
     Numba kernel load; a tiny simulation's own time subtracted -- and ``ray.shutdown``, which a
     command pays on exit) and its overhead per task once warm (400 empty tasks, wall x CPUs /
@@ -274,15 +280,16 @@ def bench_ray(out: str | None = None, repeats: int = 3) -> int:
     cpus = int(med["cpus"])
     # serial work W*c at which startup + ceil(m/cpus)(c + o) = m c, for many small tasks: ~ startup * cpus/(cpus-1)
     break_even = med["startup_s"] * cpus / (cpus - 1) if cpus > 1 else math.inf
-    print(f"Ray on this machine ({cpus} CPUs, median of {repeats} fresh processes):")
-    print(f"  import ray                {med['import_ray_s']:7.2f} s")
-    print(f"  ray.init                  {med['init_s']:7.2f} s")
-    print(f"  first task on every fresh worker  {med['first_tasks_s']:7.2f} s")
-    print(f"  ray.shutdown              {med['shutdown_s']:7.2f} s")
-    print(f"  start-up in all           {med['startup_s']:7.2f} s"
+    lines: list[str] = []          # the report: lora-opt bench prints it
+    lines.append(f"Ray on this machine ({cpus} CPUs, median of {repeats} fresh processes):")
+    lines.append(f"  import ray                {med['import_ray_s']:7.2f} s")
+    lines.append(f"  ray.init                  {med['init_s']:7.2f} s")
+    lines.append(f"  first task on every fresh worker  {med['first_tasks_s']:7.2f} s")
+    lines.append(f"  ray.shutdown              {med['shutdown_s']:7.2f} s")
+    lines.append(f"  start-up in all           {med['startup_s']:7.2f} s"
           f"   (lora_opt.parallel.RAY_STARTUP_S = {parallel.RAY_STARTUP_S:g})")
-    print(f"  per task once warm        {med['task_s'] * 1e3:7.2f} ms  (lora_opt.parallel.RAY_TASK_S = {parallel.RAY_TASK_S:g})")
-    print(f"  serial wins below ~{break_even:.1f} s of serial work (start-up x cpus / (cpus - 1))")
+    lines.append(f"  per task once warm        {med['task_s'] * 1e3:7.2f} ms  (lora_opt.parallel.RAY_TASK_S = {parallel.RAY_TASK_S:g})")
+    lines.append(f"  serial wins below ~{break_even:.1f} s of serial work (start-up x cpus / (cpus - 1))")
     _dump(out, {"runs": rows, "median": med, "break_even_serial_s": break_even,
                 "constants": {"RAY_STARTUP_S": parallel.RAY_STARTUP_S, "RAY_TASK_S": parallel.RAY_TASK_S}})
-    return 0
+    return lines

@@ -205,35 +205,37 @@ def _ms(x) -> str:
     return "-" if x is None else (f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s")
 
 
-def print_place(doc: dict) -> None:
-    """The two tables on stdout."""
-    print(f"{'case':<26} {'policy':<46} {'assign':>10} {'place':>10} {'GPUs':>5} {'target':>9} {'paper':>9}")
+def place_lines(doc: dict) -> list[str]:
+    """The two tables, as lines of text."""
+    lines: list[str] = []
+    lines.append(f"{'case':<26} {'policy':<46} {'assign':>10} {'place':>10} {'GPUs':>5} {'target':>9} {'paper':>9}")
     for r in doc["cases"]:
-        print(f"{r['case']:<26} {r['policy']:<46} {_ms(r['assign_cpu_s']):>10} {_ms(r['place_cpu_s']):>10} "
+        lines.append(f"{r['case']:<26} {r['policy']:<46} {_ms(r['assign_cpu_s']):>10} {_ms(r['place_cpu_s']):>10} "
               f"{r['gpus']:>5} {_ms(r['target_s']):>9} {_ms(r['paper_s']):>9}")
     s = doc["scaling"]
-    print(f"\nscaling (bench workload, one pool GPU per {ADAPTERS_PER_POOL_GPU} adapters; CPU time, best of "
+    lines.append(f"\nscaling (bench workload, one pool GPU per {ADAPTERS_PER_POOL_GPU} adapters; CPU time, best of "
           f"{doc['repeats']}, 1 run at 1M):")
-    print(f"{'policy':<12} {'adapters':>10} {'GPUs':>6} {'assign':>10} {'place':>10} {'target':>9} "
+    lines.append(f"{'policy':<12} {'adapters':>10} {'GPUs':>6} {'assign':>10} {'place':>10} {'target':>9} "
           f"{'oracle rows/adapter':>20} {'calls/GPU':>10}")
     for r in s["rows"]:
-        print(f"{r['policy']:<12} {r['adapters']:>10,} {r['gpus']:>6} {_ms(r['assign_cpu_s']):>10} "
+        lines.append(f"{r['policy']:<12} {r['adapters']:>10,} {r['gpus']:>6} {_ms(r['assign_cpu_s']):>10} "
               f"{_ms(r['place_cpu_s']):>10} {_ms(r['target_s']):>9} {r['oracle_rows'] / r['adapters']:>20.2f} "
               f"{r['oracle_calls'] / r['gpus']:>10.2f}")
     for name, e in s["exponents"].items():
         steps = ", ".join(f"{x:.2f}" for x in e["place_steps"])
-        print(f"growth exponent {name}: place {e['place']:.2f}, assign {e['assign']:.2f} (target <= "
+        lines.append(f"growth exponent {name}: place {e['place']:.2f}, assign {e['assign']:.2f} (target <= "
               f"{s['max_exponent']}); between sizes: {steps}")
     if s["peak_rss_mb"] is not None:
-        print(f"peak RSS after greedy-fast at {s['largest']:,} adapters: {s['peak_rss_mb']:,.0f} MB "
+        lines.append(f"peak RSS after greedy-fast at {s['largest']:,} adapters: {s['peak_rss_mb']:,.0f} MB "
               f"(target <= {s['rss_target_mb']:,} MB; the whole bench process)")
     for note in s["notes"]:
-        print("note:", note)
-    print("assign = the algorithm (order, oracle questions, packing); place = assign + per-GPU flags, "
+        lines.append(f"note: {note}")
+    lines.append("assign = the algorithm (order, oracle questions, packing); place = assign + per-GPU flags, "
           "placement, checker and start-up checks.")
+    return lines
 
 
-def bench_place(out: str | None = None, repeats: int = 3, sizes=SCALING_SIZES) -> int:
+def bench_place(out: str | None = None, repeats: int = 3, sizes=SCALING_SIZES) -> list[str]:
     """``lora-opt bench place``: the cases table and the scaling table (see the module docstring)."""
     t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     doc = {"benchmark": "place", "repeats": repeats, "cases": case_rows(repeats),
@@ -241,11 +243,11 @@ def bench_place(out: str | None = None, repeats: int = 3, sizes=SCALING_SIZES) -
            "machine": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
                        "load_average_1min_at_start": load0}}
     doc["bench_wall_s"], doc["bench_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
-    print_place(doc)
+    lines = place_lines(doc)
     doc["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
-    print(f"bench took {doc['bench_wall_s']:.0f} s wall, {doc['bench_cpu_s']:.0f} s CPU (target <= 300 s); load average "
+    lines.append(f"bench took {doc['bench_wall_s']:.0f} s wall, {doc['bench_cpu_s']:.0f} s CPU (target <= 300 s); load average "
           f"{doc['machine']['load_average_1min_at_start']:.1f} at start, {doc['machine']['load_average_1min_at_end']:.1f} at end "
           f"on {doc['machine']['cpus']} CPUs")
     if out:
         atomic_write_json(out, doc, indent=1)
-    return 0
+    return lines

@@ -110,9 +110,11 @@ def ray_pays_off(tasks_left: int, task_s: float, cpus: int | None = None) -> boo
 
 
 def _say(report: Callable[[str], None] | None, msg: str) -> None:
-    log.info(msg)
     if report is not None:
+        log.debug(msg)              # the progress bar shows it
         report(msg)
+    else:
+        log.info(msg)
 
 
 def run_batches(fn: Callable[[list], list], batches: Sequence[list], on_done: Callable[[int, list], None], *,

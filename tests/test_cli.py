@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 import yaml
 
 from conftest import small_scenario
@@ -63,6 +64,7 @@ def test_bad_scenario_gives_clear_error_not_traceback(tmp_path):
     assert out.returncode == 2 and "not found" in out.stderr
 
 
+@pytest.mark.slow       # ~25 s (starts Ray): a benchmark's report format, not a feature
 def test_bench_dataset_reports_rates_speedup_and_where_the_time_goes():
     out = run("bench", "dataset", "--grid", "tiny", "--sample", "6")
     assert out.returncode == 0, out.stderr

@@ -87,7 +87,9 @@ def test_evaluate_cli_json(tmp_path, capsys):
     rc = main(["evaluate", str(out / "placement.json"), "--workload", wl, "--workers", "1", "--duration-s", "120",
                "--json", "--out", str(tmp_path / "ev.json")])
     ev = json.loads(capsys.readouterr().out)
-    assert rc == 0 and ev["policy"] == "greedy-fast" and ev["duration_s"] == 120
+    # the paper's greedy starves this GPU (its surrogate's error): a result, exit status 3, written all the same
+    assert rc == (3 if ev["gpus_starving"] or ev["gpus_failing_startup"] else 0)
+    assert ev["policy"] == "greedy-fast" and ev["duration_s"] == 120
     for key in ("gpus_used", "gpus_starving", "gpus_failing_startup", "throughput_tok_s", "ttft_ms", "itl_ms",
                 "per_gpu"):
         assert key in ev

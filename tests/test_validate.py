@@ -64,6 +64,7 @@ def _fleet(placement_dir, base):
                      "--speed", "10"])
 
 
+@pytest.mark.slow       # ~2 min (up to 3 real-time runs); validate end to end stays in the default run below
 def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
     """Real-side throughput within 2 %, mean TTFT and mean ITL within 5 % of evaluate on the same
     requests.  At speed 10 a wall millisecond is 10 simulated ones: a miss is retried (3 runs); when
@@ -90,7 +91,8 @@ def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
         ratios = (real["throughput_tok_s"] / twin["throughput_tok_s"], real["ttft_ms"]["mean"] / twin["ttft_ms"]["mean"],
                   real["itl_ms"]["mean"] / twin["itl_ms"]["mean"])
         import csv
-        rows = list(csv.DictReader((out / "requests.csv").open()))
+        with (out / "requests.csv").open() as fh:
+            rows = list(csv.DictReader(fh))
         late = np.array([float(x["sent_s"]) - float(x["arrival_s"]) for x in rows]) / 10 * 1000
         noisy = max(float(np.percentile(late, 99)), lag_p99) > NOISY_MS
         print(f"attempt {attempt}: real {real['throughput_tok_s']:.0f} tok/s, TTFT {real['ttft_ms']['mean']:.0f} ms, "
@@ -186,7 +188,7 @@ def test_ctrl_c_writes_what_was_measured(placement_dir, tmp_path):
                                  "--workers", "1", "--no-track", "--out", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
         try:
-            assert proc.stdout.readline().startswith("replaying")
+            assert any("replaying" in proc.stderr.readline() for _ in range(20))    # the log line on stderr
             time.sleep(2.0)
             proc.send_signal(signal.SIGINT)
             stdout, stderr = proc.communicate(timeout=120)

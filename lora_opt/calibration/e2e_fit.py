@@ -26,6 +26,8 @@ and the real TTFT of saturated runs equals the server's queueing time, so excess
 """
 from __future__ import annotations
 
+import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +39,10 @@ from scipy.optimize import nnls
 from lora_opt.calibration import realruns
 from lora_opt.calibration.e2e_params import with_e2e_params
 from lora_opt.calibration.model_table import FIT_HALF  # also the CLI's list of --model values
+from lora_opt.calibration.profile_io import header_of, write_profile
 from lora_opt.calibration.replay import replay_with_profile, select_runs
+
+log = logging.getLogger(__name__)
 
 SLOT_SHARE_GRID = (0.0, 0.2, 0.35, 0.5, 0.65, 0.8, 1.0)
 #: V0 per-step CPU time searched (ms); V1 profiles keep 0 (their ITL fits contain it)
@@ -82,15 +87,16 @@ def fit_frontend(rows, res) -> tuple[float, float]:
 
 
 def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None = None,
-              tmp: Path | None = None, log=print) -> dict:
+              tmp: Path | None = None) -> dict:
     """Fit the end-to-end constants of ``model``'s bundled profile on its fit half; rewrite the
-    profile with them and a ``fit.e2e`` record.  Returns that record."""
+    profile with them and a ``fit.e2e`` record (:func:`write_fitted_profile`: untouched when nothing
+    changed).  Returns that record, with ``wall_s`` and ``profile_written``."""
     t0 = time.perf_counter()
     runs = realruns.load_runs(runs_csv)
     fit_rows, report_rows = split_rows(runs, model)
     prof_path = Path(realruns.PROFILES_DIR) / f"{realruns.MODEL_PROFILES[model]}.yaml"
-    header = "".join(line for line in prof_path.read_text().splitlines(True) if line.startswith("#"))
-    base = yaml.safe_load(prof_path.read_text())
+    text = prof_path.read_text(encoding="utf-8")
+    header, base = header_of(text), yaml.safe_load(text)
     tmp = Path(tmp or tempfile.mkdtemp(prefix="lora_opt_e2e_"))
     trace = []
 
@@ -98,7 +104,7 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         res = replay_with_profile(fit_rows, with_e2e_params(base, s, pf, step_overhead_ms=so), tmp, workers)
         obj = _objective(fit_rows, res)
         trace.append({"slot_share": s, "prefill_share": pf, "step_overhead_ms": so, **obj})
-        log(f"  {model}: slot_share {s:.2f} prefill_share {pf:.2f} step overhead {so:g} ms -> throughput "
+        log.info(f"  {model}: slot_share {s:.2f} prefill_share {pf:.2f} step overhead {so:g} ms -> throughput "
             f"{obj['throughput_smape']:.1f} %, ITL {obj['itl_mean_smape']:.1f} %")
         return obj["loss"], res
 
@@ -135,7 +141,42 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         "observed_inflight_cap_fit_half": observed_inflight_cap(fit_rows),
         "wall_s": time.perf_counter() - t0,
     }
-    out = with_e2e_params(base, best_s, best_pf, frontend, best_so)
-    out.setdefault("fit", {})["e2e"] = record
-    prof_path.write_text(header + yaml.safe_dump(out, sort_keys=False, width=110))
-    return record
+    written = write_fitted_profile(prof_path, header, with_e2e_params(base, best_s, best_pf, frontend, best_so),
+                                   record)
+    return {**record, "profile_written": written}
+
+
+#: what a ``fit.e2e`` record holds that is not a result of the fit (it differs on every run)
+RUN_ONLY_KEYS = ("wall_s",)
+
+
+def same_fit(a, b, rel: float = 1e-9) -> bool:
+    """Whether two fit records (nested dicts, lists, numbers) hold the same values up to float noise
+    (``rel``: a replay's SMAPE can differ in its last bits with the order of a sum)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_fit(a[k], b[k], rel) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_fit(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            return False
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+    return a == b
+
+
+def write_fitted_profile(path: Path, header: str, prof: dict, record: dict) -> bool:
+    """``prof`` with ``record`` as its ``fit.e2e``, written in the profile style
+    (``lora_opt.calibration.profile_io``) unless the file already holds that fit: a rerun whose
+    record equals the one there (:func:`same_fit`; its wall time aside) leaves the profile
+    byte-identical, a changed value changes only its lines and the record's.  Whether the file
+    was written."""
+    def fitted(rec):
+        return {k: v for k, v in (rec or {}).items() if k not in RUN_ONLY_KEYS}
+
+    if path.is_file():
+        old = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("fit") or {}).get("e2e")
+        if old is not None and same_fit(fitted(old), fitted(record)):
+            return False
+    prof = dict(prof)
+    prof["fit"] = {**(prof.get("fit") or {}), "e2e": record}
+    return write_profile(path, header, prof)

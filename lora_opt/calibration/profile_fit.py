@@ -43,6 +43,7 @@ from lora_opt.calibration.generations import GENERATIONS, fit_estimators
 from lora_opt.calibration.memory_check import check_summary, memory_check
 from lora_opt.calibration.memory_fit import weights_gib
 from lora_opt.calibration.model_table import MODELS, ModelEntry, model_entry
+from lora_opt.calibration.profile_io import write_profile
 from lora_opt.calibration.step_fit import expected_distinct_adapters
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
@@ -144,9 +145,7 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
     check = memory_check(runs, profile, entry.csv_name)
     prof["fit"]["memory_check"] = clean(check_summary(check))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as fh:
-        fh.write(_header(entry, _rel_data_path(data_path)))
-        yaml.safe_dump(prof, fh, sort_keys=False, default_flow_style=None, width=110)
+    write_profile(out, _header(entry, _rel_data_path(data_path)), prof)   # untouched when the text is the same
     if report_dir is not None:
         calibrate_report.write_report(Path(report_dir), entry, prof, fits, check)
     return prof

@@ -5,6 +5,7 @@ and ``run(args) -> int`` (the exit status).  Heavy imports happen inside each ``
 
 Bad input -- ``lora_opt.errors.BAD_INPUT``: a CLI flag, a lora-opt input file, a scenario or
 profile field -- is reported as ``lora-opt CMD: error: ...`` with exit status 2, no traceback.
+Exit statuses, the logging flags and the environment variables: ``lora_opt.cli.conventions``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import sys
 from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
 from lora_opt.cli import (bench, calibrate, calibrate_e2e, dataset, emulate, evaluate, fidelity, ingest, pareto,
                           place, probe, search, simulate, train, validate)
+from lora_opt.cli.conventions import (EPILOG, EXIT_BAD_INPUT, EXIT_INTERRUPTED, add_logging_flags, setup_logging,
+                                      verbosity)
 from lora_opt.errors import BAD_INPUT
 
 #: the commands, in the order ``lora-opt --help`` lists them
@@ -24,11 +27,15 @@ COMMANDS = (simulate, bench, calibrate, calibrate_e2e, dataset, train, place, ev
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-opt",
-        description="Serve many LoRA adapters on vLLM with as few GPUs as possible: a calibrated "
-                    "digital twin of the engine and the tools built on it.")
-    sub = p.add_subparsers(dest="command", required=True)
+        description="Serve many LoRA adapters on vLLM with as few GPUs as possible: a calibrated\n"
+                    "digital twin of the engine and the tools built on it.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_logging_flags(p)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
+    for command_parser in sub.choices.values():     # the logging flags also after the command
+        add_logging_flags(command_parser)
     return p
 
 
@@ -37,16 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:          # --help (0) or a bad flag (2, message already printed)
-        return exc.code if isinstance(exc.code, int) else 2
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
+        setup_logging(verbosity(args), getattr(args, "log_file", None))
+    except OSError as exc:
+        print(f"lora-opt {args.command}: error: --log-file: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return args.run(args)
     except BAD_INPUT as exc:
         print(f"lora-opt {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
         # an output path that cannot be made (--out names a file, no permission): the user's to fix
         print(f"lora-opt {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"lora-opt {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

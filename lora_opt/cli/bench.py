@@ -10,34 +10,35 @@ import argparse
 from lora_opt.cli.common import finite_float, int_range
 
 
-# imports inside each runner: only the command that runs pays for them (start-up time)
-def _twin(args: argparse.Namespace) -> int:
+# imports inside each runner: only the command that runs pays for them (start-up time); each
+# benchmark returns its report's lines, printed here
+def _twin(args: argparse.Namespace) -> list[str]:
     from lora_opt.benchmarks import bench_twin
     return bench_twin(out=args.out, repeats=args.repeats)
 
 
-def _dataset(args: argparse.Namespace) -> int:
+def _dataset(args: argparse.Namespace) -> list[str]:
     from lora_opt.benchmarks import bench_dataset
     return bench_dataset(grid=args.grid, sample=args.sample)
 
 
-def _place(args: argparse.Namespace) -> int:
+def _place(args: argparse.Namespace) -> list[str]:
     from lora_opt.benchmarks import bench_place
     return bench_place(out=args.out, repeats=args.repeats)
 
 
-def _search(args: argparse.Namespace) -> int:
+def _search(args: argparse.Namespace) -> list[str]:
     from lora_opt.benchmarks import bench_search
     from lora_opt.search.bench import bench_backends  # both backends side by side (JSON: <out stem>.backends.json)
-    return bench_search(out=args.out) or bench_backends(out=args.out and args.out.rsplit(".", 1)[0] + ".backends.json")
+    return bench_search(out=args.out) + bench_backends(out=args.out and args.out.rsplit(".", 1)[0] + ".backends.json")
 
 
-def _ray(args: argparse.Namespace) -> int:
+def _ray(args: argparse.Namespace) -> list[str]:
     from lora_opt.benchmarks import bench_ray
     return bench_ray(out=args.out, repeats=args.repeats)
 
 
-def _emulate(args: argparse.Namespace) -> int:
+def _emulate(args: argparse.Namespace) -> list[str]:
     from lora_opt.emulate.bench import bench_emulate
     return bench_emulate(out=args.out, concurrency=args.concurrency, duration_s=args.duration, pin=args.pin)
 
@@ -61,4 +62,5 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return BENCHMARKS[args.what](args)
+    print("\n".join(BENCHMARKS[args.what](args)))
+    return 0

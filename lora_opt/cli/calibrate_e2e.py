@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from lora_opt.calibration.realruns import REAL_RUNS_CSV
 from lora_opt.errors import InputError
 
 from lora_opt.cli.common import WORKERS
+
+log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
@@ -25,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     for m in models:
         if m not in FIT_HALF:
             raise InputError(f"--model {m!r}: allowed values: {', '.join(sorted(FIT_HALF))}")
+        log.info(f"{m}: replaying its fit-half runs on the twin once per grid point (a line each)")
         rec = fit_model(m, args.runs, workers=args.workers)
         print(f"{m}: {rec['params']} (fit half {rec['fit_half']!r}, {rec['fit_runs']} runs, "
-              f"loss {rec['fit_half_loss']:.2f} %, {rec['wall_s']:.0f} s)")
+              f"loss {rec['fit_half_loss']:.2f} %, {rec['wall_s']:.0f} s); profile "
+              + ("rewritten" if rec["profile_written"] else "unchanged (the same values)"))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from lora_opt.cli.common import add_ray_flags, add_tracking_flag, int_range
+from lora_opt.cli.conventions import show_progress
 from lora_opt.surrogates.dataset import GRIDS_DIR
 from twin.profile import bundled_profiles
 
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.surrogates.dataset import generate
 
     s = generate(args.profile, args.grid, args.out, workers=args.workers, ray_address=args.ray_address,
-                 limit=args.limit, tracking_uri=args.tracking_uri)
+                 limit=args.limit, tracking_uri=args.tracking_uri, progress=show_progress(args))
     print(f"{s['rows']:,} rows in {args.out} ({s['rows_resumed']:,} already there, {s['rows_labelled_now']:,} "
           f"labelled in {s['wall_s']:.1f} s, {s['rows_per_s']:.1f} rows/s); dataset hash {s['dataset_hash']}")
     return 0

@@ -7,6 +7,7 @@ import os
 import sys
 
 from lora_opt.cli.common import finite_float, int_range
+from lora_opt.cli.conventions import verbosity
 from twin.profile import bundled_profiles
 
 PORT = int_range(0, 65535)
@@ -38,7 +39,8 @@ def register(sub) -> None:
     e.add_argument("--speed", type=finite_float(0.001, 10_000.0), default=1.0, help="simulated seconds per wall second (default 1)")
     e.add_argument("--lengths", help="length model EOS stops are drawn from (default: the scenario's, else sharegpt)")
     e.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the EOS draws")
-    e.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    e.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: warning; info with -v)")
     e.set_defaults(run=run)
 
 
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(instances, log_level=args.log_level, ready=ready, router=router))
+        runner.run(serve(instances, log_level=args.log_level or ("info" if verbosity(args) >= 1 else "warning"),
+                         ready=ready, router=router))
     print("emulate: stopped", file=sys.stderr, flush=True)
     return 0

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_ray_flags, finite_float
+from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE, EXIT_OK, show_progress
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
 from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
@@ -18,7 +19,10 @@ GRACE_DEFAULT_S = 60.0
 
 def register(sub) -> None:
     ev = sub.add_parser("evaluate", help="replay a placement's traffic on the twin, one simulation per GPU "
-                                           "(on Ray when the work pays its start-up)")
+                                           "(on Ray when the work pays its start-up)",
+                        epilog=f"exit status: {EXIT_OK} every GPU served its traffic; {EXIT_NOT_ACCEPTABLE} a GPU "
+                               "starves, a GPU would not start or requests of unplaced adapters went unserved (the "
+                               "table, --json and --out are written all the same); 2 bad input")
     ev.add_argument("placement", help="placement.json written by lora-opt place (or the directory holding it)")
     ev.add_argument("--workload", help="workload file (its evaluation section); default: Poisson at the placement's rates")
     ev.add_argument("--arrivals", choices=list(ARRIVAL_PROCESSES), help="arrival process")
@@ -40,7 +44,8 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.placement.evaluate import evaluate_placement, evaluation_table, with_evaluation, workload_from_placement
+    from lora_opt.placement.evaluate import (evaluate_placement, evaluation_table, served_ok, with_evaluation,
+                                             workload_from_placement)
     from lora_opt.placement.plan import Placement, PlacementError
     from lora_opt.placement.workload_file import load_workload
 
@@ -55,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if args.grace_s is not None and grace_s >= wl.evaluation.duration_s:
         raise InputError(f"--grace-s: {grace_s:g} s must be below the replayed duration "
                          f"{wl.evaluation.duration_s:g} s (otherwise no request is due and every GPU passes)")
-    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address, progress=not args.json,
-                            grace_s=grace_s)
+    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address,
+                            progress=show_progress(args), grace_s=grace_s)
+    code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
     if args.out:
         atomic_write_json(args.out, ev, indent=1)
     if args.json:
@@ -67,4 +73,9 @@ def run(args: argparse.Namespace) -> int:
               f"{arrivals.process}{' ' + arrivals.trace if arrivals.trace else ''}"
               f", {wl.evaluation.duration_s:,.0f} s, rho {wl.rho}")
         print(evaluation_table(ev))
-    return 0
+        if code != EXIT_OK:
+            problems = [f"{ev['gpus_starving']} GPU(s) starving" if ev["gpus_starving"] else "",
+                        f"{ev['gpus_failing_startup']} GPU(s) failing to start" if ev["gpus_failing_startup"] else "",
+                        f"{ev['unrouted_requests']:,} requests unserved" if ev.get("unrouted_requests") else ""]
+            print(f"NOT ACCEPTABLE: {', '.join(x for x in problems if x)} (exit status {code})")
+    return code

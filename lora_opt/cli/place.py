@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from lora_opt.cli.common import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float
+from lora_opt.cli.conventions import show_progress
 from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 
 
@@ -40,7 +41,7 @@ def register(sub) -> None:
 def _policy_options(args: argparse.Namespace) -> dict:
     opts = {}
     if args.policy == "greedy-plus":
-        opts["progress"] = sys.stderr.isatty() and not args.json
+        opts["progress"] = sys.stderr.isatty() and show_progress(args)
         for k in ("margin", "verify_s", "ttft_p99_s", "oracle"):
             v = getattr(args, k, None)
             if v is not None:
@@ -64,8 +65,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
     verdict (or one JSON object); the verdict's exit status."""
     from lora_opt.placement.policies import PlacementContext, get_policy
-    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, verdict,
-                                           write_outputs)
+    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, table_notes,
+                                           verdict, write_outputs)
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
@@ -91,13 +92,11 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     if history:
         out.write(f"rates from {history}: {len(log):,} requests over {span:,.0f} s\n")
     out.write(placement_table(p) + "\n")
+    for note in table_notes(p):          # what the columns mean, for the values shown
+        out.write(f"  {note}\n")
     for note in p.meta.get("notes", []):
         out.write(f"note: {note}\n")
     out.write(message + "\n")
-    if p.meta.get("starvation_margin") and any(x is not None for x in p.meta["starvation_margin"]):
-        out.write("margin = capacity headroom over the expected load the surrogate predicts (negative: "
-                  "overloaded, yet within rho); twin = the GPU passed the twin at that x its load (not starving, "
-                  "p99 TTFT within bound), which overrules the surrogate\n")
     for w in written:
         out.write(f"  -> {w}\n")
     return code

@@ -29,20 +29,24 @@ def _fmt_stats(s: dict) -> str:
     return f"mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}"
 
 
-def print_summary(res, sc, out=sys.stdout) -> None:
-    """The human-readable summary of one simulation result."""
-    w = out.write
+def print_summary(res, sc, out=None) -> None:
+    """The human-readable summary of one simulation result (to ``out``, default: stdout as it is now)."""
+    w = (out or sys.stdout).write
     e = res.engine
     w(f"profile {sc.profile}   max_loras {e['max_loras']}   max_lora_rank {e['max_lora_rank']}   "
       f"max_cpu_loras {e['max_cpu_loras']}   max_num_seqs {e['max_num_seqs']}   "
       f"max_num_batched_tokens {e['max_num_batched_tokens']}\n")
     if res.status == "oom":
-        w(f"status      OOM at start-up: {res.oom_reason}\n")
+        w(f"verdict     FAILS TO START: OOM at start-up: {res.oom_reason}\n")
         w(f"incoming    {res.incoming_token_rate:,.0f} tok/s over {res.arrived} requests -- nothing served\n")
         return
-    verdict = "STARVING" if res.starving else "not starving"
-    w(f"status      ok, {verdict} (throughput {res.throughput_tok_s:,.0f} vs rho x incoming "
-      f"{sc.rho} x {res.incoming_token_rate:,.0f} tok/s)\n")
+    need = sc.rho * res.incoming_token_rate
+    if res.starving:
+        w(f"verdict     STARVING: throughput {res.throughput_tok_s:,.0f} tok/s < rho x incoming = "
+          f"{sc.rho} x {res.incoming_token_rate:,.0f} = {need:,.0f} tok/s\n")
+    else:
+        w(f"verdict     not starving: throughput {res.throughput_tok_s:,.0f} tok/s >= rho x incoming = "
+          f"{sc.rho} x {res.incoming_token_rate:,.0f} = {need:,.0f} tok/s\n")
     if res.stopped_early_s is not None:
         w(f"            stopped early at {res.stopped_early_s:,.0f} s: starvation was certain; rates below are "
           f"over the whole {res.throughput_span_s:,.0f} s window (a lower bound of the full run's)\n")

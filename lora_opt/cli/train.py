@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 
 from lora_opt.cli.common import add_tracking_flag
+from lora_opt.cli.conventions import route_mlflow_prints, show_progress
+
+log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
@@ -13,14 +18,22 @@ def register(sub) -> None:
     tr.add_argument("--out", required=True, help="output directory for the models, rules and metrics")
     add_tracking_flag(tr)
     tr.add_argument("--fast", action="store_true", help="tiny hyper-parameter grids (smoke runs)")
+    tr.add_argument("--json", action="store_true", help="print the metrics (metrics.json's content) as one JSON object")
     tr.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    log.info("training on %s -> %s: importing scikit-learn and MLflow (a few seconds), then one step per fit",
+             ", ".join(args.dataset), args.out)
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.surrogates.training import train_cli
 
-    m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
+    route_mlflow_prints()
+    m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast,
+                  progress=show_progress(args))
+    if args.json:
+        print(json.dumps(m, default=str))
+        return 0
     ch = m["chosen"]
     reg, clf = m["regressor"][ch["regressor"]], m["classifier"][ch["classifier"]]
     print(f"throughput: {ch['regressor']}, held-out SMAPE {reg['test_smape']:.1f} %")
@@ -28,4 +41,7 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v:.3g}" for k, v in clf["test"].items() if isinstance(v, float)))
     print("distilled : " + ", ".join(f"{k} {v} leaves" for k, v in m['distilled']['leaves'].items()))
     print(f"surrogate -> {args.out} (surrogate.json, surrogate.skops, distilled.json, rules.txt, metrics.json)")
+    run = m.get("mlflow") or {}
+    if run.get("tracking_uri"):        # where the run is: the store a user opens with mlflow ui
+        print(f"MLflow    : run {run['run_id']} (experiment {run['experiment']}) in {run['tracking_uri']}")
     return 0

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range
+from lora_opt.cli.conventions import show_progress
 from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
 from twin.workload import TRACES
 
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
             "workload": wl.name, "requests_from": args.history or args.trace or wl.evaluation.arrivals.process}
     summary, status = validate_placement(p, wl, urls, args.out, speed=args.speed, scrape_s=args.scrape_s,
                                          workers=args.workers, meta=meta, tracking_uri=args.tracking_uri,
-                                         track=not args.no_track, progress=not args.json, requests=requests)
+                                         track=not args.no_track, progress=show_progress(args),
+                                         requests=requests)
     if args.json:
         print(json.dumps({k: summary[k] for k in ("info", "comparison", "bench", "exit_status")}, default=str))
         return status

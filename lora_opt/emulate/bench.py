@@ -180,8 +180,9 @@ def _cpu_s(pid: int) -> float:
 
 
 def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: float = 30.0,
-                  warmup_s: float = 8.0, startups: int = 3, pin: bool = False) -> int:
-    """Print (and with ``out`` write as JSON) start-up, capacity and lag of one instance.  The
+                  warmup_s: float = 8.0, startups: int = 3, pin: bool = False) -> list[str]:
+    """Measure (and with ``out`` write as JSON) start-up, capacity and lag of one instance; the
+    report's lines (``lora-opt bench emulate`` prints them).  The
     server is one single-threaded process (one asyncio loop): it uses at most one core; ``pin``
     also pins it to one CPU and the client to the others (only meaningful on an idle machine:
     on a shared one the pinned core's other jobs starve it)."""
@@ -224,21 +225,22 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
             ("engine clock behind wall at end, s", f"{st['sim_now_s'] - st['engine_clock_s']:.3f}", "~0"),
             ("server CPU (of one core)", f"{cpu_share:.0%}", "< 100%"),
             ("machine load average (1 min)", f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", "")]
-    print(f"lora-opt emulate, speed 1, {concurrency} closed-loop streams of 100+300 tokens, {duration_s:.0f} s "
+    lines: list[str] = []          # the report: lora-opt bench prints it
+    lines.append(f"lora-opt emulate, speed 1, {concurrency} closed-loop streams of 100+300 tokens, {duration_s:.0f} s "
           f"after {warmup_s:.0f} s warm-up; server " + (f"pinned to CPU {server_cpu}" if server_cpu is not None
                                                          else "one process, not pinned"))
-    print(f"{'metric':42s} {'measured':32s} target")
+    lines.append(f"{'metric':42s} {'measured':32s} target")
     for name, value, target in rows:
-        print(f"{name:42s} {value:32s} {target}")
-    print("\nconsistency with twin.simulate (10 adapters, max_loras 2, 8 sequences, 60 s, open loop)")
-    print(f"{'speed':>6s} {'throughput tok/s twin/emu':>28s} {'mean TTFT ms twin/emu':>26s} {'mean ITL ms twin/emu':>24s}")
+        lines.append(f"{name:42s} {value:32s} {target}")
+    lines.append("\nconsistency with twin.simulate (10 adapters, max_loras 2, 8 sequences, 60 s, open loop)")
+    lines.append(f"{'speed':>6s} {'throughput tok/s twin/emu':>28s} {'mean TTFT ms twin/emu':>26s} {'mean ITL ms twin/emu':>24s}")
     for c in cons:
         tw, em, r = c["twin"], c["emulator"], c["ratio"]
         cells = [f"{tw[k]:,.1f} / {em[k]:,.1f} ({r[k] - 1:+.1%})" for k in ("throughput_tok_s", "ttft_mean_ms",
                                                                            "itl_mean_ms")]
-        print(f"{c['speed']:6g} {cells[0]:>28s} {cells[1]:>26s} {cells[2]:>24s}")
+        lines.append(f"{c['speed']:6g} {cells[0]:>28s} {cells[1]:>26s} {cells[2]:>24s}")
     if out:
         Path(out).write_text(json.dumps({"startup_s": startup, "capacity": cap, "cpu_share": cpu_share,
                                          "consistency": cons,
                                          "concurrency": concurrency, "duration_s": duration_s}, indent=2))
-    return 0
+    return lines

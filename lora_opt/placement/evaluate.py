@@ -292,7 +292,8 @@ def evaluation_table(ev: dict) -> str:
     def f(x, spec="8.1f"):
         return format(x, spec) if x is not None else f"{'n/a':>{spec.split('.')[0]}}"
     lines = [f"{'GPU':>3} {'adapters':>8} {'A_max':>5} {'status':>9} {'served':>6} {'incoming':>9} {'thr tok/s':>9} "
-             f"{'TTFT mean':>9} {'TTFT p99':>9} {'ITL mean':>8} {'ITL p99':>8}"]
+             f"{'TTFT mean':>9} {'TTFT p99':>9} {'ITL mean':>8} {'ITL p99':>8}",
+             f"{'':>3} {'':>8} {'':>5} {'':>9} {'':>6} {'tok/s':>9} {'':>9} {'ms':>9} {'ms':>9} {'ms':>8} {'ms':>8}"]
     for g in ev["per_gpu"]:
         status = ("OOM" if g["status"] == "oom" else "DOWN" if g["status"] == "unreachable"
                   else "STARVING" if g["starving"] else "ok")

@@ -16,9 +16,31 @@ from pathlib import Path
 
 from lora_opt.io import atomic_write_text
 from lora_opt.placement.plan import Placement, PlacementError, check_placement
+from lora_opt.placement.policies.greedy import MARGIN_GRID, SURROGATE_RHO
 from lora_opt.placement.vllm_launch import check_serve_args, router_table, serve_command
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_NOT_DEPLOYABLE = 0, 3, 4
+
+# The starvation margin is rho x L - 1 for the largest load factor L on MARGIN_GRID (0.5x .. 3x) the
+# surrogate calls not starving: at the grid's ends it is a bound, not a value.
+#: the lowest margin shown (-55 %): at most this (the surrogate rejects even half the load)
+MARGIN_FLOOR = float(SURROGATE_RHO * MARGIN_GRID[0] - 1.0)
+#: the highest margin shown (+170 %): at least this (the surrogate accepts even 3x the load)
+MARGIN_CEILING = float(SURROGATE_RHO * MARGIN_GRID[-1] - 1.0)
+#: below this (-10 %) the surrogate calls the GPU starving at its expected load (throughput < rho x incoming)
+MARGIN_STARVING = float(SURROGATE_RHO - 1.0)
+_EPS = 1e-9
+
+
+def margin_cell(margin: float | None) -> str:
+    """The margin as the table shows it: ``+30 %``, ``>= +170 %`` / ``<= -55 %`` at the bounds, ``-``."""
+    if margin is None:
+        return "-"
+    if margin >= MARGIN_CEILING - _EPS:
+        return f">= {MARGIN_CEILING:+.0%}".replace("%", " %")
+    if margin <= MARGIN_FLOOR + _EPS:
+        return f"<= {MARGIN_FLOOR:+.0%}".replace("%", " %")
+    return f"{margin:+.0%}".replace("%", " %")
 
 
 def _ranks(adapters) -> str:
@@ -30,7 +52,7 @@ def placement_table(p: Placement) -> str:
     """GPU, adapters, ranks, A_max, max rank, incoming and predicted throughput, margin."""
     m = p.meta
     lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
-             f"{'pred tok/s':>10} {'margin':>7} {'twin':>10}"]
+             f"{'pred tok/s':>10} {'margin':>9} {'twin':>10}"]
     failing = set(m.get("gpus_failing_startup", []))
     on_gpu = p.by_gpu()
     for i, g in enumerate(p.gpus):
@@ -42,9 +64,58 @@ def placement_table(p: Placement) -> str:
         twin = f"ok at {ver:g}x" if ver else "-"
         lines.append(f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8} {rate:>7.2f} "
                      f"{(f'{thr:10.0f}' if thr is not None else f'{chr(45):>10}')} "
-                     f"{(f'{mar:+7.0%}' if mar is not None else f'{chr(45):>7}')} {twin:>10}"
+                     f"{margin_cell(mar):>9} {twin:>10}"
                      + ("   would not start (OOM)" if i in failing else ""))
     return "\n".join(lines)
+
+
+def _per_gpu(p: Placement, key: str) -> list:
+    return list(p.meta.get(key) or [None] * len(p.gpus))
+
+
+def table_notes(p: Placement) -> list[str]:
+    """What the table's columns mean, for the values this table shows (each note agrees with the
+    signs and dashes printed above it)."""
+    thr, mar = _per_gpu(p, "predicted_throughput"), _per_gpu(p, "starvation_margin")
+    ver = _per_gpu(p, "twin_verified_at_load")
+    shown = [m for m in mar if m is not None]
+    notes = []
+    if not shown and all(t is None for t in thr):
+        return [f"pred tok/s, margin '-': policy {p.policy} consults no surrogate; `lora-opt evaluate` "
+                "replays the placement on the twin"]
+    if shown:
+        notes.append(f"margin = the surrogate's capacity headroom over the GPU's expected load (rho {SURROGATE_RHO:g} "
+                     "x the largest load factor it calls not starving, - 1): +30 % = capacity 30 % above the load")
+    if any(m >= MARGIN_CEILING - _EPS or m <= MARGIN_FLOOR + _EPS for m in shown):
+        notes.append(f"{margin_cell(MARGIN_CEILING)} / {margin_cell(MARGIN_FLOOR)}: bounds -- the surrogate is asked "
+                     f"at {MARGIN_GRID[0]:g}x .. {MARGIN_GRID[-1]:g}x the load, and accepts even the most / "
+                     "rejects even the least")
+    if any(MARGIN_STARVING - _EPS <= m < 0 for m in shown):
+        notes.append(f"{margin_cell(MARGIN_STARVING)} .. 0 %: capacity below the expected load, yet not starving "
+                     f"by the criterion (throughput >= rho x incoming)")
+    starving = [i for i, m in enumerate(mar) if m is not None and m < MARGIN_STARVING - _EPS]
+    for i in starving:
+        if ver[i]:
+            notes.append(f"GPU {i}: margin below {margin_cell(MARGIN_STARVING)}: the surrogate predicts starvation at "
+                         f"the expected load; the twin passed the GPU at {ver[i]:g}x its load, and the twin's "
+                         "verdict is the one used")
+        else:
+            notes.append(f"GPU {i}: margin below {margin_cell(MARGIN_STARVING)}: the surrogate predicts starvation "
+                         "at the expected load")
+    dash = [i for i, t in enumerate(thr) if t is None]
+    if dash:
+        twin_set = [i for i in dash if ver[i]]
+        if twin_set:
+            notes.append(f"pred tok/s '-' (GPU {', '.join(map(str, twin_set))}): no surrogate prediction at this A_max "
+                         "-- the surrogate's choice was absent or failed the twin, so the twin set A_max (every "
+                         "adapter resident, as memory allows) and verified it")
+        rest = [i for i in dash if not ver[i]]
+        if rest:
+            notes.append(f"pred tok/s '-' (GPU {', '.join(map(str, rest))}): no surrogate prediction for this GPU")
+    if any(ver):
+        notes.append("twin 'ok at Lx' = the GPU passed the twin at L x its expected load (not starving, p99 TTFT "
+                     "within bound), which overrules the surrogate; '-' = not verified on the twin")
+    return notes
 
 
 def verdict(p: Placement) -> tuple[int, str]:

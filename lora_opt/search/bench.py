@@ -20,7 +20,7 @@ def _trial_seconds(storage: str, study_name: str) -> float:
     return sum(t.user_attrs.get("wall_s") or 0.0 for t in load_study(storage, study_name).get_trials(deepcopy=False))
 
 
-def bench_backends(out: str | None = None, trials: int = 48, workers: int = 2, seed: int = 0) -> int:
+def bench_backends(out: str | None = None, trials: int = 48, workers: int = 2, seed: int = 0) -> list[str]:
     """Both backends on the 1,280-adapter Azure workload of ``pareto_azure`` (pool 4, ~0.1 s
     trials), ``trials`` trials each on ``workers`` Ray workers, same sampler seed, no greedy seeds
     (their placement time is not the backends').  Ray is started and its workers warmed before
@@ -54,12 +54,13 @@ def bench_backends(out: str | None = None, trials: int = 48, workers: int = 2, s
             rows[backend] = {"trials": res.trials, "complete": res.complete, "wall_s": wall, "trial_s": work,
                              "overhead_per_trial_s": wall / trials - work / (workers * trials),
                              "front": [(f["gpus"], round(f[setup.objective], 1)) for f in res.front]}
-    print(f"{trials} trials per backend, {workers} Ray workers (warm), 1,280 adapters (azure-conv, 15 req/s, pool 4), "
+    lines: list[str] = []          # the report: lora-opt bench prints it
+    lines.append(f"{trials} trials per backend, {workers} Ray workers (warm), 1,280 adapters (azure-conv, 15 req/s, pool 4), "
           f"seed {seed}:")
-    print(f"{'backend':>9} {'wall s':>7} {'trial s':>8} {'overhead/trial s':>17}  front (GPUs: p99 TTFT ms, search traffic)")
+    lines.append(f"{'backend':>9} {'wall s':>7} {'trial s':>8} {'overhead/trial s':>17}  front (GPUs: p99 TTFT ms, search traffic)")
     for name, r in rows.items():
         front = ", ".join(f"{g}: {v:,.0f}" for g, v in r["front"]) or "-"
-        print(f"{name:>9} {r['wall_s']:>7.1f} {r['trial_s']:>8.1f} {r['overhead_per_trial_s']:>17.3f}  {front}")
+        lines.append(f"{name:>9} {r['wall_s']:>7.1f} {r['trial_s']:>8.1f} {r['overhead_per_trial_s']:>17.3f}  {front}")
     if out:
         atomic_write_json(out, json.loads(json.dumps(rows)), indent=1)
-    return 0
+    return lines

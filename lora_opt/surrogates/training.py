@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from lora_opt.surrogates import distill
 from lora_opt.surrogates.features import FEATURES
@@ -260,7 +261,7 @@ def pick_classifier(results: dict) -> str:
 
 # ---- training ---------------------------------------------------------------------------------------
 def train_surrogates(df, out_dir, *, models=FAMILIES, cv: int = 5, seed: int = 0, tracking_uri: str | None = None,
-                     fast: bool = False, track: bool = True) -> dict:
+                     fast: bool = False, track: bool = True, bar: tqdm | None = None) -> dict:
     """Train every family's two heads, choose one per head, save and (``track``) log to MLflow.
 
     Writes ``out_dir/surrogate.json`` + ``surrogate.skops`` (``Surrogate.save``),
@@ -279,8 +280,16 @@ def train_surrogates(df, out_dir, *, models=FAMILIES, cv: int = 5, seed: int = 0
     out_dir = Path(out_dir)
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    regs = {f: fit_regressor_family(f, data, folds=cv, seed=seed, fast=fast) for f in models}
-    clfs = {f: fit_classifier_family(f, data, folds=cv, seed=seed, fast=fast) for f in models}
+    if bar is None:                          # ``bar``: a progress bar to advance, one step per fit
+        bar = tqdm(disable=True)
+    regs: dict = {}
+    clfs: dict = {}
+    for head, fit, fitted in (("throughput", fit_regressor_family, regs), ("starvation", fit_classifier_family, clfs)):
+        for f in models:
+            bar.set_postfix_str(f"{head} {f}")
+            fitted[f] = fit(f, data, folds=cv, seed=seed, fast=fast)
+            bar.update()
+    bar.set_postfix_str("paper's NG model, plots, MLflow")
     best_reg, best_clf = pick_regressor(regs), pick_classifier(clfs)
     metrics = {
         "dataset": {**data.summary(), "sha256_16": data.dataset_hash},
@@ -316,12 +325,15 @@ def train_surrogates(df, out_dir, *, models=FAMILIES, cv: int = 5, seed: int = 0
 
 
 def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool = False, *,
-              seed: int = 0, track: bool = True) -> dict:
+              seed: int = 0, track: bool = True, progress: bool = False) -> dict:
     """``lora-opt train``: read the Parquet dataset(s) (one directory or a list, concatenated in
     order), train and choose the surrogates, distill the random forests into one rule tree per
     head, write ``surrogate.json`` + ``surrogate.skops``, ``distilled.json``, ``rules.txt``, ``metrics.json``,
     ``dataset_summary.json`` (the ``summary.json`` of the dataset(s): rows, hash, grid, profile and
     twin version) and plots into ``out_dir``; return the metrics."""
+    # progress: one step for reading, one per fit (2 heads x families), NG model + plots + MLflow, distillation
+    bar = tqdm(total=2 * len(FAMILIES) + 3, desc="train", unit="step", disable=not progress)
+    bar.set_postfix_str("reading the dataset")
     import pandas as pd  # heavy optional dependency: only when training
 
     dirs = [dataset_dir] if isinstance(dataset_dir, (str, Path)) else list(dataset_dir)
@@ -331,10 +343,15 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
         frames.append(part.assign(dataset=k) if len(dirs) > 1 else part)
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     out_dir = Path(out_dir)
-    res = train_surrogates(df, out_dir, tracking_uri=tracking_uri, fast=fast, seed=seed, track=track)
+    bar.update()
+    res = train_surrogates(df, out_dir, tracking_uri=tracking_uri, fast=fast, seed=seed, track=track, bar=bar)
+    bar.update()
+    bar.set_postfix_str("distilling the random forests")
     rf = res["families"]["rf"]
     dist, report = distill.distill_and_report(rf["regressor"], rf["classifier"], res["data"],
                                               p_teacher_oof=res["oof"]["rf"], seed=seed, fast=fast)
+    bar.update()
+    bar.close()
     dist.metadata.update({"dataset_hash": res["data"].dataset_hash})
     dist.save(out_dir / ORACLE_FILES["distilled"])
     (out_dir / "rules.txt").write_text(dist.rules())

@@ -8,6 +8,7 @@ pays; the probe measures it at its launch's ``max_loras``).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from twin.profile import Profile, load_profile
 
@@ -48,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-loras", type=int, default=16, help="slots the LoRA jump is compared at (default 16)")
     a = ap.parse_args(argv)
     rows = compare(load_profile(a.known), load_profile(a.fitted), a.max_loras)
-    print(table(rows))
-    print(f"largest |error|: {max(abs(e) for *_, e in rows) * 100:.2f} %")
+    # a command-line entry point (python -m ...): the table is its result, written to stdout
+    sys.stdout.write(table(rows) + f"\nlargest |error|: {max(abs(e) for *_, e in rows) * 100:.2f} %\n")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import logging
 import math
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from lora_opt.placement.workload_file import Workload
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 from lora_opt.validate.live import SERIES_COLUMNS, endpoint_versions, run_live, series_rows
 from lora_opt.validate.measure import REQUEST_COLUMNS, bench_summary, gpu_result, request_rows
+
+log = logging.getLogger(__name__)
 
 #: exit statuses of ``lora-opt validate`` (2: bad input, as every command)
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED = 0, 3, 130
@@ -154,8 +157,8 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     models = [a.id for a in p.adapters]
     versions = endpoint_versions(urls)
     if progress:
-        print(f"replaying {len(req):,} requests over {T:g} s (x{speed:g}: {T / speed:,.0f} s of wall time) "
-              f"on {len(urls)} endpoint(s); Ctrl-C stops and writes what was measured", flush=True)
+        log.info(f"replaying {len(req):,} requests over {T:g} s (x{speed:g}: {T / speed:,.0f} s of wall time) "
+                 f"on {len(urls)} endpoint(s); Ctrl-C stops and writes what was measured")
     records, scrapes, interrupted = run_live(urls, req, target, models, speed=speed, end_s=T, scrape_s=scrape_s)
     url_of = [urls.get(g, "") for g in range(len(p.gpus))]
     rows = request_rows(records, req, target, url_of, models, speed)
