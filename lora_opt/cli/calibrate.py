@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from lora_opt.cli.common import add_tracking_flag
+
 
 def register(sub) -> None:
     c = sub.add_parser("calibrate", help="fit a profile's estimators on real vLLM measurements")
@@ -10,6 +12,7 @@ def register(sub) -> None:
     c.add_argument("--model", required=True, help="model name as in the CSV's model column")
     c.add_argument("--out", required=True, help="profile YAML to write")
     c.add_argument("--report", help="directory for the fit report (markdown + PNG)")
+    add_tracking_flag(c)
     c.set_defaults(run=run)
 
 
@@ -17,6 +20,11 @@ def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.calibration.profile_fit import calibrate
 
-    calibrate(args.runs, args.model, args.out, report_dir=args.report)
+    from lora_opt.tracking import log_command_run
+
+    prof = calibrate(args.runs, args.model, args.out, report_dir=args.report)
+    log_command_run("calibrate", args.model, params={"runs": args.runs, "model": args.model, "out": args.out},
+                    metrics=prof["fit"]["estimators"], artifacts=[args.out, args.report], profile=args.out,
+                    seeds="none: deterministic fits", tracking_uri=args.tracking_uri, track=not args.no_track)
     print(f"profile -> {args.out}" + (f"; report -> {args.report}" if args.report else ""))
     return 0

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
                           ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address)
     command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
     _, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
-                           tracking_uri=args.tracking_uri, command=command)
+                           tracking_uri=args.tracking_uri, command=command, track=not args.no_track)
     print((out / "report.md").read_text().split("## Every point")[0])
     print(f"-> {out}/report.md, pareto.json, pareto_front.png")
     return 0

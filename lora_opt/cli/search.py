@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, int_range
+from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, add_tracking_flag, int_range
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
@@ -38,6 +38,7 @@ def register(sub) -> None:
     add_ray_flags(se, workers_help="parallel trials (1 = serial, no Ray; N > 1 = Ray; default: serial when the trials are too few "
                                         "to pay Ray's start-up, else Ray on all cores)")
     se.add_argument("--out", help="output directory (default: outputs/search-<workload>)")
+    add_tracking_flag(se)
     se.set_defaults(run=run)
 
 
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.policies import PlacementContext
     from lora_opt.placement.workload_file import load_workload
     from lora_opt.search.study import SearchSetup, front_table, replay_front, run_search, traffic_halves
+    from lora_opt.tracking import log_command_run
 
     if args.storage:
         from lora_opt.search.study import check_storage
@@ -78,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
                                            "trials": res.trials, "complete": res.complete,
                                            "failed": res.failed, "wall_s": res.wall_s, "front": rows},
                       indent=1, default=str)
+    log_command_run("search", res.study_name, params={"workload": wl.name, "gpus": args.gpus, "trials": args.trials, "objective":
+                    args.objective, "criterion": setup.criterion.label, "storage": res.storage, "study": res.study_name},
+                    metrics={"trials": res.trials, "complete": res.complete, "failed": res.failed, "front_points": len(rows)},
+                    artifacts=[out], profile=wl.profile, seeds={"sampler": args.seed, "evaluation": wl.evaluation.seed},
+                    wall_s=res.wall_s, tracking_uri=args.tracking_uri, track=not args.no_track)
     print(f"study {res.study_name} in {res.storage}: {res.trials} trials ({res.complete} complete, {res.failed} "
           f"failed{f', {res.resumed_stale} in flight at the last kill marked failed' if res.resumed_stale else ''}); "
           f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")

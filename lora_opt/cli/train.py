@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.surrogates.training import train_cli
 
-    m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast)
+    m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast, track=not args.no_track)
     ch = m["chosen"]
     reg, clf = m["regressor"][ch["regressor"]], m["classifier"][ch["classifier"]]
     print(f"throughput: {ch['regressor']}, held-out SMAPE {reg['test_smape']:.1f} %")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
-from lora_opt.surrogates import model_files
+from lora_opt.surrogates import model_files, registry
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, smape
 from lora_opt.surrogates.training_data import TrainingData
@@ -119,13 +119,18 @@ def log_sklearn_model(model, name: str, registered_name: str, X_example: np.ndar
             "version": int(info.registered_model_version) if info.registered_model_version else None}
 
 
-def log_training_run(result: dict, data: TrainingData, out_dir: Path, args: dict, tracking_uri: str | None) -> dict:
-    """One MLflow run (experiment "surrogate"): params, metrics, plots, the chosen models."""
+def log_training_run(result: dict, data: TrainingData, out_dir: Path, args: dict, tracking_uri: str | None,
+                     provenance: dict | None = None) -> dict:
+    """One MLflow run (experiment "surrogate"): params, metrics, plots, the chosen models, registered
+    with ``provenance`` (``registry.version_tags`` of the rows) and the dataset hash as version tags."""
     import mlflow  # heavy optional dependency: only when tracking
 
     metrics, sur = result["metrics"], result["surrogate"]
     uri = resolve_tracking_uri(tracking_uri)
-    with tracked_run("surrogate", run_name=f"surrogate-{data.dataset_hash}", tracking_uri=uri) as run:
+    provenance = {"dataset_hash": data.dataset_hash, **(provenance or {})}
+    with tracked_run("surrogate", run_name=f"surrogate-{data.dataset_hash}", tracking_uri=uri,
+                     profile=provenance.get("profile"), profile_hash=provenance.get("profile_hash"),
+                     seeds={"split_and_cv": args.get("seed")}) as run:
         mlflow.set_tag("dataset_hash", data.dataset_hash)
         params = {**args, "dataset_hash": data.dataset_hash, "rows": len(data.X),
                   "chosen_regressor": metrics["chosen"]["regressor"],
@@ -145,6 +150,7 @@ def log_training_run(result: dict, data: TrainingData, out_dir: Path, args: dict
             "classifier": log_sklearn_model(sur.classifier, "starvation_model", REGISTERED_NAMES["classifier"],
                                             X_ex, sur.classifier.predict_proba(X_ex)),
         }
+        registry.tag_versions(models, provenance, uri)
         return {"run_id": run.info.run_id, "experiment": "surrogate", "tracking_uri": uri, "models": models}
 
 
@@ -157,3 +163,4 @@ def log_distilled(run: dict, report: dict, out_dir: Path, file_names) -> None:
         mlflow.log_metrics(flat_metrics("distilled", report))
         for name in file_names:
             mlflow.log_artifact(str(out_dir / name))
+        registry.log_surrogate_dir(out_dir)     # what --surrogate models:/NAME@ALIAS loads
