@@ -37,8 +37,10 @@ from twin.profile import load_profile
 log = logging.getLogger(__name__)
 
 # MLflow's own INFO lines ("Creating initial MLflow database tables...", "Created version '3' of
-# model ...") go to stderr through its own handler unless its level is raised before it is imported
+# model ...") go to stderr through its own handler unless its level is raised before it is imported;
+# its artifact download progress bars too (a command shows its own progress)
 os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 #: the checkout lora-opt runs from, when it runs from one (the directory above the package)
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -180,6 +182,21 @@ def tracked_run(experiment: str, run_name: str | None = None, tracking_uri: str 
                           run_name=None if run_id else run_name, tags=None if run_id else tags) as run:
         yield run
     log.info("MLflow run %s (experiment %r) in %s; browse: %s", run.info.run_id, experiment, uri, ui_command(uri))
+
+
+@contextlib.contextmanager
+def mlflow_quiet():
+    """MLflow's unconditional stderr lines (``eprint``: "Successfully registered model 'x'.") off
+    for the block, unless MLflow's logger is at INFO or below (the user asked for its messages)."""
+    from mlflow.utils import logging_utils  # heavy optional dependency: only when tracking
+
+    stream = logging_utils.MLFLOW_LOGGING_STREAM
+    was = stream.enabled
+    stream.enabled = logging.getLogger("mlflow").getEffectiveLevel() <= logging.INFO and was
+    try:
+        yield
+    finally:
+        stream.enabled = was
 
 
 def log_params(params: dict) -> None:

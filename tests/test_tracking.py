@@ -3,6 +3,7 @@
 that fit, evaluate or search logged as runs (``--no-track`` logs nothing)."""
 import hashlib
 import json
+import os
 import re
 import subprocess
 
@@ -31,7 +32,7 @@ def _forget_tracking_uri():
 
 
 def test_tracked_run_logs_metrics_and_artifacts(tmp_path):
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = os.environ["MLFLOW_TRACKING_URI"]          # the test's own store (conftest)
     art = tmp_path / "a"
     art.mkdir()
     (art / "x.txt").write_text("hi")
@@ -93,11 +94,10 @@ def _runs(uri: str, experiment: str):
     return client.search_runs([exp.experiment_id]) if exp else []
 
 
-def test_commands_are_runs_with_provenance(tmp_path, capsys, monkeypatch):
+def test_commands_are_runs_with_provenance(tmp_path, capsys):
     """calibrate (--tracking-uri), place + evaluate and dataset (MLFLOW_TRACKING_URI): one run each,
     tagged; --no-track logs nothing."""
-    uri = f"sqlite:///{tmp_path}/store.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    uri = os.environ["MLFLOW_TRACKING_URI"]          # the test's own store (conftest)
     (tmp_path / "w.yaml").write_text(SMALL)
     prof = tmp_path / "p.yaml"
     assert main(["calibrate", "--runs", RUNS_CSV, "--model", "llama-2-7b", "--out", str(prof),

@@ -58,7 +58,11 @@ def surrogate_dir(spec, tracking_uri: str | None = None):
     if m is None:
         raise InputError(f"--surrogate {spec!r}: expected models:/NAME/VERSION or models:/NAME@ALIAS "
                          "(e.g. models:/lora-opt-starvation@champion), or a surrogate directory")
-    return _download(resolve_tracking_uri(tracking_uri), *_run_of(spec, m, tracking_uri))
+    run_id, what = _run_of(spec, m, tracking_uri)
+    try:
+        return _download(resolve_tracking_uri(tracking_uri), run_id)
+    except InputError as exc:
+        raise InputError(f"--surrogate {spec} ({what}): {exc}") from None
 
 
 def _run_of(spec: str, m: re.Match, tracking_uri: str | None) -> tuple[str, str]:
@@ -92,7 +96,7 @@ def _known_versions(client, name: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _download(uri: str, run_id: str, what: str) -> Path:
+def _download(uri: str, run_id: str) -> Path:
     """The run's surrogate directory, downloaded once per process into a temporary directory."""
     import mlflow  # heavy optional dependency: only when reading the registry
     from mlflow.exceptions import MlflowException
@@ -103,8 +107,9 @@ def _download(uri: str, run_id: str, what: str) -> Path:
         local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=SURROGATE_ARTIFACT,
                                                          dst_path=str(tmp), tracking_uri=uri))
     except (MlflowException, OSError) as exc:
-        raise InputError(f"{what}: its run {run_id} holds no {SURROGATE_ARTIFACT}/ directory ({type(exc).__name__}); "
-                         "it was logged before lora-opt logged whole surrogates: train it again") from None
+        raise InputError(f"its run {run_id} holds no {SURROGATE_ARTIFACT}/ directory ({type(exc).__name__}); "
+                         "it was logged before lora-opt logged whole surrogates, or not by lora-opt train: "
+                         "train it again") from None
     model_files.read_manifest(model_files.manifest_path(local))     # fail now, naming the version, if not one
     return local
 

@@ -14,7 +14,7 @@ from lora_opt.surrogates import model_files, registry
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, smape
 from lora_opt.surrogates.training_data import TrainingData
-from lora_opt.tracking import default_tracking_uri, tracked_run
+from lora_opt.tracking import default_tracking_uri, mlflow_quiet, tracked_run
 
 REGISTERED_NAMES = {"regressor": "lora-opt-throughput", "classifier": "lora-opt-starvation"}
 
@@ -111,10 +111,11 @@ def log_sklearn_model(model, name: str, registered_name: str, X_example: np.ndar
         raise ValueError(f"{name}: holds types outside TRUSTED_TYPES: {', '.join(extra)}; review them and add "
                          "them to lora_opt.surrogates.model_files.TRUSTED_TYPES")
     signature = infer_signature(pd.DataFrame(X_example, columns=list(FEATURES)), output)
-    info = mlflow.sklearn.log_model(
-        model, name=name, signature=signature, pip_requirements=_pip_requirements(),
-        skops_trusted_types=list(model_files.TRUSTED_TYPES), registered_model_name=registered_name,
-        pyfunc_predict_fn="predict_proba" if hasattr(model, "predict_proba") else "predict")
+    with mlflow_quiet():                 # no "Successfully registered model ..." on stderr
+        info = mlflow.sklearn.log_model(
+            model, name=name, signature=signature, pip_requirements=_pip_requirements(),
+            skops_trusted_types=list(model_files.TRUSTED_TYPES), registered_model_name=registered_name,
+            pyfunc_predict_fn="predict_proba" if hasattr(model, "predict_proba") else "predict")
     return {"model_uri": info.model_uri, "registered_name": registered_name,
             "version": int(info.registered_model_version) if info.registered_model_version else None}
 
