@@ -153,7 +153,7 @@ def _experiment_id(mlflow, experiment: str, uri: str) -> str:
     # a local SQLite store keeps its artifacts beside the database file
     location = None
     if uri.startswith("sqlite:///"):
-        location = (Path(uri[len("sqlite:///"):]).parent / "artifacts" / experiment).as_uri()
+        location = (Path(uri[len("sqlite:///"):]).resolve().parent / "artifacts" / experiment).as_uri()
     return mlflow.create_experiment(experiment, artifact_location=location)
 
 

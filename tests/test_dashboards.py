@@ -58,8 +58,10 @@ def _free_port() -> int:
 
 
 def _serve(cmd: list[str], url: str, log: Path, timeout_s: float = 180.0) -> subprocess.Popen:
-    """Start a server (its own process group) and wait until ``url`` answers 200."""
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    """Start a server (its own process group: MLflow's starts job consumers too) and wait until
+    ``url`` answers 200.  MLflow's job runner (GenAI evaluation jobs, 7 processes) is not needed."""
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

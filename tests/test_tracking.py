@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 
 import mlflow
@@ -68,11 +69,17 @@ def test_git_commit_only_at_the_top_of_a_checkout(tmp_path):
 
 
 def test_default_store_is_under_the_current_directory(tmp_path, monkeypatch):
+    own_store = os.environ["MLFLOW_TRACKING_URI"][len("sqlite:///"):]
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     uri = tracking.resolve_tracking_uri()
     assert uri == f"sqlite:///{tmp_path.resolve()}/mlruns/mlflow.db" and (tmp_path / "mlruns").is_dir()
     assert tracking.ui_command(uri) == "mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db"
+    # the README's relative form works as --tracking-uri too (artifacts beside the database)
+    shutil.copyfile(own_store, tmp_path / "mlruns" / "mlflow.db")        # an empty store (conftest)
+    (tmp_path / "note.txt").write_text("x")
+    run_id = tracking.log_command_run("unit", artifacts=[tmp_path / "note.txt"], tracking_uri="sqlite:///mlruns/mlflow.db")
+    assert (tmp_path / "mlruns" / "artifacts" / "unit" / run_id / "artifacts" / "note.txt").is_file()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
     assert tracking.resolve_tracking_uri() == "sqlite:///elsewhere.db"
     assert tracking.resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
