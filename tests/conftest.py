@@ -31,10 +31,10 @@ _MLFLOW_TEMPLATE: list[Path] = []
 
 
 @pytest.fixture(autouse=True)
-def _hermetic(tmp_path, tmp_path_factory, monkeypatch):
+def _hermetic(tmp_path_factory, monkeypatch):
     """Each test tracks to its own MLflow store.  Once a test has imported mlflow, later tests start
     from a copy of an empty store: making one runs MLflow's schema migrations (seconds each time)."""
-    db = tmp_path / "mlflow.db"
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"      # beside tmp_path: tests list tmp_path
     if "mlflow" in sys.modules:
         if not _MLFLOW_TEMPLATE:
             import mlflow  # already imported by an earlier test: no import cost here
