@@ -71,4 +71,7 @@ def add_tracking_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
                                           "sqlite:///mlruns/mlflow.db in the current directory, artifacts in mlruns/artifacts; "
                                           "browse: mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db)")
-    p.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
+    try:
+        p.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
+    except argparse.ArgumentError:      # the command declares it itself (validate, probe)
+        pass

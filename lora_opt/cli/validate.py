@@ -28,6 +28,7 @@ def register(sub) -> None:
     v.add_argument("--out", default="validation", help="output directory (default ./validation)")
     v.add_argument("--gpu", default="", help="the GPU's name, recorded with the run (e.g. H100-80GB)")
     v.add_argument("--workers", type=int_range(1, 4096), help="parallel twin simulations (default: all cores)")
+    v.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
     v.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_tracking_flag(v)
     v.set_defaults(run=run)
