@@ -186,17 +186,21 @@ def tracked_run(experiment: str, run_name: str | None = None, tracking_uri: str 
 
 @contextlib.contextmanager
 def mlflow_quiet():
-    """MLflow's unconditional stderr lines (``eprint``: "Successfully registered model 'x'.") off
-    for the block, unless MLflow's logger is at INFO or below (the user asked for its messages)."""
-    from mlflow.utils import logging_utils  # heavy optional dependency: only when tracking
-
-    stream = logging_utils.MLFLOW_LOGGING_STREAM
-    was = stream.enabled
-    stream.enabled = logging.getLogger("mlflow").getEffectiveLevel() <= logging.INFO and was
-    try:
+    """MLflow's unconditional stderr lines (``eprint``: "Successfully registered model 'x'.",
+    "Created version '1' ...", and its log lines) off for the block, unless MLflow's logger is at
+    INFO or below (the user asked for its messages).  Through MLflow's own counted switch: a plain on/off flag is
+    switched back on by MLflow's internal guards inside ``log_model``."""
+    if logging.getLogger("mlflow").getEffectiveLevel() <= logging.INFO:
         yield
-    finally:
-        stream.enabled = was
+        return
+    try:
+        from mlflow.utils.autologging_utils.logging_and_warnings import (  # heavy optional dependency
+            MlflowEventsAndWarningsBehaviorGlobally as events_switch)
+    except ImportError:                  # moved in a later MLflow: its lines show, nothing breaks
+        yield
+        return
+    with events_switch(disable_event_logs=True, disable_warnings=False, reroute_warnings=False):
+        yield
 
 
 def log_params(params: dict) -> None:
