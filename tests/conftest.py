@@ -1,3 +1,7 @@
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 
 import lora_opt.settings  # noqa: F401  (no telemetry, Ray on loopback)
@@ -22,9 +26,24 @@ def small_scenario(**over):
     return sc
 
 
+#: an empty MLflow store with its schema made, copied into each test's own store
+_MLFLOW_TEMPLATE: list[Path] = []
+
+
 @pytest.fixture(autouse=True)
-def _hermetic(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+def _hermetic(tmp_path_factory, monkeypatch):
+    """Each test tracks to its own MLflow store.  Once a test has imported mlflow, later tests start
+    from a copy of an empty store: making one runs MLflow's schema migrations (seconds each time)."""
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"      # beside tmp_path: tests list tmp_path
+    if "mlflow" in sys.modules:
+        if not _MLFLOW_TEMPLATE:
+            import mlflow  # already imported by an earlier test: no import cost here
+
+            template = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+            mlflow.MlflowClient(f"sqlite:///{template}").search_experiments()     # makes the schema
+            _MLFLOW_TEMPLATE.append(template)
+        shutil.copyfile(_MLFLOW_TEMPLATE[0], db)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     yield
 
 

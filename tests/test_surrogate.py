@@ -199,3 +199,22 @@ def test_train_writes_the_dataset_summary_beside_the_model(trained, tmp_path):
     (data / "summary.json").write_text(json.dumps(summary))
     training.train_cli(data, tmp_path / "out", fast=True, track=False)
     assert json.loads((tmp_path / "out" / "dataset_summary.json").read_text()) == summary
+
+
+def test_trained_surrogate_loads_from_the_registry(trained):
+    """``train`` registers both heads with the rows' provenance and logs the whole surrogate, which
+    ``--surrogate models:/lora-opt-starvation/1`` loads (lora_opt.surrogates.registry)."""
+    import mlflow
+
+    from lora_opt.surrogates import registry
+
+    client = mlflow.MlflowClient(trained["uri"])
+    run = client.get_run(trained["metrics"]["mlflow"]["run_id"])
+    assert run.data.tags["lora_opt.profile"] == PROFILE and run.data.tags["lora_opt.profile_hash"] == "test"
+    for name in reporting.REGISTERED_NAMES.values():
+        tags = client.get_model_version(name, "1").tags
+        assert tags["dataset_hash"] == trained["metrics"]["dataset"]["sha256_16"]
+        assert (tags["profile"], tags["profile_hash"], tags["twin_version"]) == (PROFILE, "test", ds.twin_version())
+    d = registry.surrogate_dir("models:/lora-opt-starvation/1", trained["uri"])
+    for name in registry.SURROGATE_FILES:
+        assert (d / name).read_bytes() == (trained["out"] / name).read_bytes(), name

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from lora_opt.cli.common import add_tracking_flag
+
 
 def register(sub) -> None:
     c = sub.add_parser("calibrate", help="fit a profile's estimators on real vLLM measurements")
@@ -11,6 +13,7 @@ def register(sub) -> None:
                                                   "the profile whose model dimensions and memory model are kept)")
     c.add_argument("--out", required=True, help="profile YAML to write")
     c.add_argument("--report", help="directory for the fit report (markdown + PNG)")
+    add_tracking_flag(c)
     c.set_defaults(run=run)
 
 
@@ -18,11 +21,17 @@ def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.calibration.probe_fit import calibrate_probe, is_probe_table
     from lora_opt.calibration.profile_fit import calibrate
+    from lora_opt.tracking import log_command_run
 
-    if is_probe_table(args.runs):
-        calibrate_probe(args.runs, args.model, args.out)
+    probe_rows = is_probe_table(args.runs)
+    prof = (calibrate_probe(args.runs, args.model, args.out) if probe_rows
+            else calibrate(args.runs, args.model, args.out, report_dir=args.report))
+    log_command_run("calibrate", args.model, params={"runs": args.runs, "model": args.model, "out": args.out,
+                    "probe_rows": probe_rows}, metrics=prof["fit"]["estimators"], artifacts=[args.out, args.report],
+                    profile=args.out, seeds="none: deterministic fits", tracking_uri=args.tracking_uri,
+                    track=not args.no_track)
+    if probe_rows:
         print(f"profile -> {args.out} (fitted on lora-opt probe rows)")
         return 0
-    calibrate(args.runs, args.model, args.out, report_dir=args.report)
     print(f"profile -> {args.out}" + (f"; report -> {args.report}" if args.report else ""))
     return 0

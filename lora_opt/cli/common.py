@@ -67,5 +67,11 @@ def add_ray_flags(p: argparse.ArgumentParser, workers_help: str = WORKERS_HELP) 
 
 
 def add_tracking_flag(p: argparse.ArgumentParser) -> None:
-    """``--tracking-uri``: where MLflow records the run."""
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: local mlruns/)")
+    """``--tracking-uri`` (where MLflow records the run) and ``--no-track``."""
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///mlruns/mlflow.db in the current directory, artifacts in mlruns/artifacts; "
+                                          "browse: mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db)")
+    try:
+        p.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
+    except argparse.ArgumentError:      # the command declares it itself (validate, probe)
+        pass

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.surrogates.dataset import generate
 
     s = generate(args.profile, args.grid, args.out, workers=args.workers, ray_address=args.ray_address,
-                 limit=args.limit, tracking_uri=args.tracking_uri, progress=show_progress(args))
+                 limit=args.limit, tracking_uri=args.tracking_uri, progress=show_progress(args),
+                 track=not args.no_track)
     print(f"{s['rows']:,} rows in {args.out} ({s['rows_resumed']:,} already there, {s['rows_labelled_now']:,} "
           f"labelled in {s['wall_s']:.1f} s, {s['rows_per_s']:.1f} rows/s); dataset hash {s['dataset_hash']}")
     return 0

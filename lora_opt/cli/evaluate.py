@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_ray_flags, finite_float
+from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_ray_flags, add_tracking_flag, finite_float
 from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE, EXIT_OK, show_progress
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
@@ -39,6 +39,7 @@ def register(sub) -> None:
                          f"{GRACE_DEFAULT_S:g}; 0 = benchmark_serving's definition; below --duration-s)")
     ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
     ev.add_argument("--out", help="also write the evaluation JSON here")
+    add_tracking_flag(ev)
     ev.set_defaults(run=run)
 
 
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
                                              workload_from_placement)
     from lora_opt.placement.plan import Placement, PlacementError
     from lora_opt.placement.workload_file import load_workload
+    from lora_opt.tracking import log_command_run
 
     if not Path(args.placement).exists():
         raise PlacementError(f"placement file not found: {args.placement}")
@@ -65,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
     code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
     if args.out:
         atomic_write_json(args.out, ev, indent=1)
+    log_command_run("evaluate", f"{wl.name} ({p.policy})", params={"placement": args.placement, "workload": wl.name,
+                    "policy": p.policy, "arrivals": wl.evaluation.arrivals.process, "trace": wl.evaluation.arrivals.trace,
+                    "duration_s": wl.evaluation.duration_s, "grace_s": grace_s}, metrics={k: v for k, v in ev.items()
+                    if k != "per_gpu"}, artifacts=[args.out, args.placement], profile=p.profile,
+                    seeds={"evaluation": wl.evaluation.seed}, tracking_uri=args.tracking_uri, track=not args.no_track)
     if args.json:
         print(json.dumps(ev))
     else:

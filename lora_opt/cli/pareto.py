@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
                           ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address)
     command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
     res, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
-                             tracking_uri=args.tracking_uri, command=command)
+                             tracking_uri=args.tracking_uri, command=command,
+                             track=not args.no_track)
     code = 0 if any(res["fronts"].values()) else EXIT_NO_FEASIBLE
     if args.json:
         # strict JSON: a point that was never replayed has latency NaN -> null

@@ -26,7 +26,8 @@ def register(sub) -> None:
     pl.add_argument("--emit-vllm", action="store_true",
                     help="also write one vllm serve command per GPU (vLLM 0.33 flags) and router.json")
     pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
-    pl.add_argument("--surrogate", help="surrogate directory (default: the bundled one for the profile)")
+    pl.add_argument("--surrogate", help="surrogate directory, or a registered version: models:/lora-opt-starvation@champion, "
+                                        "models:/NAME/VERSION (default: the bundled one for the profile)")
     pl.add_argument("--margin", type=finite_float(0.0, 1.0), help="greedy-plus: capacity headroom over the expected load (default 0.1)")
     pl.add_argument("--verify-s", type=NONNEGATIVE_S, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
     pl.add_argument("--ttft-p99-s", type=POSITIVE_S, help="greedy-plus: p99 TTFT bound in the verification (default 5)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, int_range
+from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, add_tracking_flag, int_range
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
 from lora_opt.search.study import BACKENDS, DEFAULT_BATCH, DEFAULT_OBJECTIVE, OBJECTIVES
@@ -48,6 +48,7 @@ def register(sub) -> None:
                                         "to pay Ray's start-up, else Ray on all cores)")
     se.add_argument("--out", help="output directory (default: outputs/search-<workload>)")
     se.add_argument("--json", action="store_true", help="print the result (front.json's content) as JSON")
+    add_tracking_flag(se)
     se.set_defaults(run=run)
 
 
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.policies import PlacementContext
     from lora_opt.placement.workload_file import load_workload
     from twin.errors import ScenarioError
+    from lora_opt.tracking import log_command_run
 
     from lora_opt.search.study import (SearchSetup, check_storage, front_table, load_study, replay_front, run_search,
                                        traffic_halves)
@@ -126,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
               "complete": res.complete, "failed": res.failed, "wall_s": res.wall_s, "front": rows,
               "plots": [str(p) for p in plots]}
     atomic_write_json(out / "front.json", result, indent=1, default=str)
+    log_command_run("search", res.study_name, params={"workload": wl.name, "gpus": args.gpus, "trials": args.trials,
+                    "objective": args.objective, "criterion": setup.criterion.label, "storage": res.storage,
+                    "study": res.study_name, "backend": args.backend},
+                    metrics={"trials": res.trials, "complete": res.complete, "failed": res.failed, "front_points": len(rows)},
+                    artifacts=[out], profile=wl.profile, seeds={"sampler": args.seed, "evaluation": wl.evaluation.seed},
+                    wall_s=res.wall_s, tracking_uri=args.tracking_uri, track=not args.no_track)
     code = 0 if rows else EXIT_NO_FEASIBLE
     if args.json:
         print(json.dumps(result, indent=1, default=str))

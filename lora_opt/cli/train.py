@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     route_mlflow_prints()
     m = train_cli(args.dataset, args.out, tracking_uri=args.tracking_uri, fast=args.fast,
-                  progress=show_progress(args))
+                  progress=show_progress(args), track=not args.no_track)
     if args.json:
         print(json.dumps(m, default=str))
         return 0

@@ -23,7 +23,7 @@ from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
 from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, hypervolume, nondominated,
                                    objective_value, replay, replay_front, run_search, traffic_halves)
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
+from lora_opt.tracking import log_dir, log_flat_metrics, log_params, tracked_run
 
 METHODS = ("greedy-plus", "greedy", "search")
 
@@ -188,7 +188,7 @@ def write_outputs(result: dict, out: Path, title: str, command: str) -> list[Pat
 
 def pareto_report(wl: Workload, pool: int, config: ParetoConfig, *, history: str | None = None,
                   out: str | Path | None = None, tracking_uri: str | None = None,
-                  command: str = "lora-opt pareto ...") -> tuple[dict, Path]:
+                  command: str = "lora-opt pareto ...", track: bool = True) -> tuple[dict, Path]:
     """``lora-opt pareto``: the sweep on ``wl``, its outputs (``write_outputs``) in ``out`` (default
     ``outputs/pareto-<workload>``), the run tracked in MLflow; (result, output directory).
     ``history``: a request log -- greedy-plus verifies and the search searches on its first half
@@ -199,9 +199,9 @@ def pareto_report(wl: Workload, pool: int, config: ParetoConfig, *, history: str
     out.mkdir(parents=True, exist_ok=True)
     ctx = PlacementContext.for_workload(wl)
     history_ctx = PlacementContext.for_workload(wl, **ctx_kw) if ctx_kw else None
-    with tracked_run("pareto", run_name=wl.name, tracking_uri=tracking_uri):
-        import mlflow  # heavy optional dependency: only inside a tracked run
-        mlflow.log_params({"workload": wl.name, "pool": pool, "objective": config.objective,
+    with tracked_run("pareto", run_name=wl.name, tracking_uri=tracking_uri, track=track, profile=wl.profile,
+                     seeds={"evaluation": wl.evaluation.seed}):
+        log_params({"workload": wl.name, "pool": pool, "objective": config.objective,
                            "trials_per_criterion": config.trials,
                            "criteria": "; ".join(c.label for c in config.criteria)})
         res = run_pareto(wl, pool, ctx, config, search_traffic=search_traffic, eval_traffic=eval_traffic,

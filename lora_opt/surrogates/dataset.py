@@ -398,7 +398,8 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     if track:
         import mlflow  # heavy optional dependency: only when tracking
 
-        with tracked_run("dataset", run_name=f"{prof_name}-{manifest['grid_hash']}", tracking_uri=tracking_uri):
+        with tracked_run("dataset", run_name=f"{prof_name}-{manifest['grid_hash']}", tracking_uri=tracking_uri,
+                         profile=prof_name, profile_hash=prof_hash, seeds={"grid_seed_plus_point_id": grid.seed}):
             mlflow.log_params({"profile": prof_name, "grid_hash": manifest["grid_hash"], "points": len(points),
                                "shard_size": grid.shard_size, "duration_s": grid.duration_s,
                                "early_stop": grid.early_stop, "workers": workers or "all",

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 
 from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
-from lora_opt.surrogates import model_files
+from lora_opt.surrogates import model_files, registry
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, smape
 from lora_opt.surrogates.training_data import TrainingData
-from lora_opt.tracking import default_tracking_uri, tracked_run
+from lora_opt.tracking import default_tracking_uri, mlflow_quiet, tracked_run
 
 REGISTERED_NAMES = {"regressor": "lora-opt-throughput", "classifier": "lora-opt-starvation"}
 
@@ -111,21 +111,27 @@ def log_sklearn_model(model, name: str, registered_name: str, X_example: np.ndar
         raise ValueError(f"{name}: holds types outside TRUSTED_TYPES: {', '.join(extra)}; review them and add "
                          "them to lora_opt.surrogates.model_files.TRUSTED_TYPES")
     signature = infer_signature(pd.DataFrame(X_example, columns=list(FEATURES)), output)
-    info = mlflow.sklearn.log_model(
-        model, name=name, signature=signature, pip_requirements=_pip_requirements(),
-        skops_trusted_types=list(model_files.TRUSTED_TYPES), registered_model_name=registered_name,
-        pyfunc_predict_fn="predict_proba" if hasattr(model, "predict_proba") else "predict")
+    with mlflow_quiet():                 # no "Successfully registered model ..." on stderr
+        info = mlflow.sklearn.log_model(
+            model, name=name, signature=signature, pip_requirements=_pip_requirements(),
+            skops_trusted_types=list(model_files.TRUSTED_TYPES), registered_model_name=registered_name,
+            pyfunc_predict_fn="predict_proba" if hasattr(model, "predict_proba") else "predict")
     return {"model_uri": info.model_uri, "registered_name": registered_name,
             "version": int(info.registered_model_version) if info.registered_model_version else None}
 
 
-def log_training_run(result: dict, data: TrainingData, out_dir: Path, args: dict, tracking_uri: str | None) -> dict:
-    """One MLflow run (experiment "surrogate"): params, metrics, plots, the chosen models."""
+def log_training_run(result: dict, data: TrainingData, out_dir: Path, args: dict, tracking_uri: str | None,
+                     provenance: dict | None = None) -> dict:
+    """One MLflow run (experiment "surrogate"): params, metrics, plots, the chosen models, registered
+    with ``provenance`` (``registry.version_tags`` of the rows) and the dataset hash as version tags."""
     import mlflow  # heavy optional dependency: only when tracking
 
     metrics, sur = result["metrics"], result["surrogate"]
     uri = resolve_tracking_uri(tracking_uri)
-    with tracked_run("surrogate", run_name=f"surrogate-{data.dataset_hash}", tracking_uri=uri) as run:
+    provenance = {"dataset_hash": data.dataset_hash, **(provenance or {})}
+    with tracked_run("surrogate", run_name=f"surrogate-{data.dataset_hash}", tracking_uri=uri,
+                     profile=provenance.get("profile"), profile_hash=provenance.get("profile_hash"),
+                     seeds={"split_and_cv": args.get("seed")}) as run:
         mlflow.set_tag("dataset_hash", data.dataset_hash)
         params = {**args, "dataset_hash": data.dataset_hash, "rows": len(data.X),
                   "chosen_regressor": metrics["chosen"]["regressor"],
@@ -145,6 +151,7 @@ def log_training_run(result: dict, data: TrainingData, out_dir: Path, args: dict
             "classifier": log_sklearn_model(sur.classifier, "starvation_model", REGISTERED_NAMES["classifier"],
                                             X_ex, sur.classifier.predict_proba(X_ex)),
         }
+        registry.tag_versions(models, provenance, uri)
         return {"run_id": run.info.run_id, "experiment": "surrogate", "tracking_uri": uri, "models": models}
 
 
@@ -157,3 +164,4 @@ def log_distilled(run: dict, report: dict, out_dir: Path, file_names) -> None:
         mlflow.log_metrics(flat_metrics("distilled", report))
         for name in file_names:
             mlflow.log_artifact(str(out_dir / name))
+        registry.log_surrogate_dir(out_dir)     # what --surrogate models:/NAME@ALIAS loads

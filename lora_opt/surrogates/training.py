@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.surrogates import distill
+from lora_opt.surrogates import distill, registry
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, measure_latency, smape
 from lora_opt.surrogates.oracle import ORACLE_FILES, Surrogate
@@ -318,7 +318,7 @@ def train_surrogates(df, out_dir, *, models=FAMILIES, cv: int = 5, seed: int = 0
     if track:
         metrics["mlflow"] = log_training_run(result, data, out_dir,
                                              {"models": ",".join(models), "cv": cv, "seed": seed, "fast": fast},
-                                             tracking_uri)
+                                             tracking_uri, registry.version_tags(df))
     sur.save(out_dir)
     write_json(out_dir / "metrics.json", metrics)
     return result

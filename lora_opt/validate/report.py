@@ -216,7 +216,7 @@ def log_run(summary: dict, out: Path, tracking_uri: str | None) -> str:
 
     info = summary["info"]
     with tracked_run("validation", run_name=f"validate {info.get('placement_hash', '')}",
-                     tracking_uri=tracking_uri) as run:
+                     tracking_uri=tracking_uri, profile=info["profile"], seeds={"evaluation": info["seed"]}) as run:
         mlflow.log_params({
             "placement": str(info.get("placement", "")), "placement_hash": info.get("placement_hash", ""),
             "profile": info["profile"], "seed": info["seed"], "duration_s": info["duration_s"],

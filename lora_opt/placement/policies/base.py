@@ -19,6 +19,7 @@ from lora_opt.placement.workload_file import Workload
 from lora_opt.surrogates.distill import DistilledSurrogate
 from lora_opt.surrogates.model_files import LEGACY_PICKLE_NAME, refuse_pickle
 from lora_opt.surrogates.oracle import ORACLE_FILES, Oracle, Surrogate
+from lora_opt.surrogates.registry import surrogate_dir as resolve_surrogate
 from twin.errors import ScenarioError
 from twin.paths import CONFIGS_DIR
 from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
@@ -80,7 +81,7 @@ class PlacementContext:
     def for_workload(cls, wl: Workload, surrogate_dir: str | Path | None = None, history=None,
                      history_s: float = 0.0) -> PlacementContext:
         profile = load_profile(wl.profile)
-        d = Path(surrogate_dir) if surrogate_dir else bundled_surrogate_dir(profile.name)
+        d = Path(resolve_surrogate(surrogate_dir)) if surrogate_dir else bundled_surrogate_dir(profile.name)
         if history is not None and not history_s > 0:
             raise ScenarioError("history_s: the observed window must be > 0 s when a history is given")
         return cls(profile=profile, surrogate_dir=d, history=history, history_s=history_s)
