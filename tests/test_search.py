@@ -176,6 +176,13 @@ def test_search_cli(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "o" / "front.json").exists() and db.exists() and not (tmp_path / "o" / "study.db").exists()
     for name in ("pareto_front.png", "hypervolume_history.png"):
         assert (tmp_path / "o" / name).read_bytes()[:4] == b"\x89PNG"
+    # the CLI's logging set-up quiets third-party INFO (Optuna's included) unless -v; the study itself
+    # restores the verbosity it found (optuna_quiet)
+    assert optuna.logging.get_verbosity() == optuna.logging.WARNING
+    from lora_opt.search.study import optuna_quiet
+    optuna.logging.set_verbosity(before)
+    with optuna_quiet():
+        assert optuna.logging.get_verbosity() == optuna.logging.WARNING
     assert optuna.logging.get_verbosity() == before
     assert main(args[:6] + ["5"] + args[7:] + ["--json"]) == 0
     res = json.loads(capsys.readouterr().out)
