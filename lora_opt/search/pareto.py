@@ -200,7 +200,7 @@ def pareto_report(wl: Workload, pool: int, config: ParetoConfig, *, history: str
     ctx = PlacementContext.for_workload(wl)
     history_ctx = PlacementContext.for_workload(wl, **ctx_kw) if ctx_kw else None
     with tracked_run("pareto", run_name=wl.name, tracking_uri=tracking_uri, track=track, profile=wl.profile,
-                     seeds={"evaluation": wl.evaluation.seed}):
+                     seeds={"evaluation": wl.evaluation.seed, "sampler": config.seed}):
         log_params({"workload": wl.name, "pool": pool, "objective": config.objective,
                            "trials_per_criterion": config.trials,
                            "criteria": "; ".join(c.label for c in config.criteria)})
