@@ -7,19 +7,18 @@ fronts over a sweep of feasibility criteria, hypervolume per method, cost (track
 half of the (time-compressed) hour -- the search and greedy-plus's verification run on those
 observed requests -- and every point replayed on the second half (held out).  Writes
 experiments/pareto_azure/ (report.md, pareto.json, pareto_front.png).
+Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.
 """
 import argparse
 import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lora_opt.search.pareto import ParetoConfig, criteria_sweep, run_pareto, write_outputs  # noqa: E402
-from lora_opt.placement.policies import PlacementContext  # noqa: E402
-from lora_opt.search.study import Traffic  # noqa: E402
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
-from lora_opt.placement.trace_split import trace_split  # noqa: E402
+from lora_opt.search.pareto import ParetoConfig, criteria_sweep, run_pareto, write_outputs
+from lora_opt.placement.policies import PlacementContext
+from lora_opt.search.study import Traffic
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
+from lora_opt.placement.trace_split import trace_split
 
 OUT = Path(__file__).resolve().parent / "pareto_azure"
 

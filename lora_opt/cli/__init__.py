@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
+from lora_opt import __version__
 from lora_opt.cli import (bench, calibrate, calibrate_e2e, dataset, emulate, evaluate, fidelity, ingest, pareto,
                           place, search, simulate, train, validate)
 from lora_opt.errors import BAD_INPUT
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lora-opt",
         description="Serve many LoRA adapters on vLLM with as few GPUs as possible: a calibrated "
                     "digital twin of the engine and the tools built on it.")
+    p.add_argument("--version", action="version", version=f"lora-opt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
