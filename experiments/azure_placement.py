@@ -13,19 +13,17 @@ paper.  The baselines run twice: as their papers configure them (A_max = adapter
 fails to start under the model's max_model_len) and as an operator would (``dlora-capped``,
 ``loraserve-capped``: the same routing, A_max capped to the largest that starts).  Writes
 experiments/azure_placement/ (results.csv, report.md, PNG plots).
+Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.
 """
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lora_opt.placement.evaluate import evaluate_placement, served_ok  # noqa: E402
-from lora_opt.placement.policies import PlacementContext, get_policy  # noqa: E402
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
-from lora_opt.placement.trace_split import trace_split  # noqa: E402
+from lora_opt.placement.evaluate import evaluate_placement, served_ok
+from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
+from lora_opt.placement.trace_split import trace_split
 
 OUT = Path(__file__).resolve().parent / "azure_placement"
 PROFILE = "llama-3.1-8b-h100-64gb"

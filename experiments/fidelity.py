@@ -5,15 +5,13 @@
 Writes experiments/fidelity/ (report.md, runs.csv, max_pack.csv, summary.json, PNG plots) and logs
 the SMAPE table and the report as one MLflow run in the experiment "fidelity".
 Same as `lora-opt fidelity --out experiments/fidelity`, plus tracking.
+Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.
 """
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lora_opt.calibration.fidelity import run_fidelity  # noqa: E402
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
+from lora_opt.calibration.fidelity import run_fidelity
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
 OUT = Path(__file__).resolve().parent / "fidelity"
 

@@ -8,7 +8,7 @@ half of the (time-compressed) hour -- the search and greedy-plus's verification 
 observed requests -- and every point replayed on the second half (held out).  Writes
 experiments/pareto_azure/ (report.md, pareto.json, pareto_front.png).  Reproducible: the same
 points and hypervolumes for any ``--workers`` (the studies ask fixed batches of trials and tell
-them in trial order).  Needs lora-opt importable (``pip install -e .``, or PYTHONPATH=.).
+them in trial order).  Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.
 """
 import argparse
 import shlex

@@ -15,11 +15,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from lora_opt.benchmarks_place import growth_case  # noqa: E402
-from lora_opt.benchmarks_readme import render_readme  # noqa: E402
-from lora_opt.io import atomic_write_json, atomic_write_text  # noqa: E402
+from lora_opt.benchmarks_place import growth_case
+from lora_opt.benchmarks_readme import render_readme
+from lora_opt.io import atomic_write_json, atomic_write_text
 
 PLACE_JSON = "experiments/bench/place.json"
 TWIN_JSON = "experiments/bench/twin.json"

@@ -162,15 +162,16 @@ def test_package_data_patterns_match_files():
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = data.get("tool", {}).get("setuptools", {}).get("package-data", {})
+    mapped = data.get("tool", {}).get("setuptools", {}).get("package-dir", {})   # e.g. configs/ -> twin._bundled
     empty = [f"{pkg}: {pat}" for pkg, pats in patterns.items() for pat in pats
-             if not any(p.is_file() for p in (ROOT / pkg.replace(".", "/")).glob(pat))]
+             if not any(p.is_file() for p in (ROOT / mapped.get(pkg, pkg.replace(".", "/"))).glob(pat))]
     assert empty == []
 
 
 def test_missing_bundled_profiles_directory_is_a_clean_error(monkeypatch, tmp_path):
-    from twin import profile
+    from twin import paths, profile
     from twin.errors import ScenarioError
 
-    monkeypatch.setattr(profile, "PROFILES_DIR", tmp_path / "nowhere")
-    with pytest.raises(ScenarioError, match="not from a wheel yet"):
+    monkeypatch.setitem(paths.NAMED_KINDS, "profile", tmp_path / "nowhere")
+    with pytest.raises(ScenarioError, match="bundled profiles are missing"):
         profile.load_profile("llama-3.1-8b-h100-64gb")

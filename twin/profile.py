@@ -23,7 +23,7 @@ from typing import Any
 from twin.errors import ScenarioError
 from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
 from twin.parsing import read_config_file
-from twin.paths import PROFILES_DIR
+from twin.paths import bundled_names, resolve_bundled
 
 GIB = 1024**3
 MIB = 1024**2
@@ -355,22 +355,12 @@ def profile_to_dict(p: Profile) -> dict:
 
 
 def bundled_profiles() -> list[str]:
-    return sorted(f.stem for f in PROFILES_DIR.glob("*.yaml"))
+    return bundled_names("profile")
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
     """A bundled profile by name, or a profile YAML by path (parsed once per file version)."""
-    p = Path(name_or_path)
-    if p.suffix.lower() not in (".yaml", ".yml", ".json") and "/" not in str(name_or_path):
-        cand = PROFILES_DIR / f"{name_or_path}.yaml"
-        if not PROFILES_DIR.is_dir():
-            raise ScenarioError(f"profile: the bundled profiles are not here ({PROFILES_DIR} does not exist): "
-                                "lora-opt runs from its repository checkout (pip install -e .), not from a "
-                                "wheel yet; or give a path to a profile YAML")
-        if not cand.exists():
-            raise ScenarioError(f"profile: unknown profile {str(name_or_path)!r}; bundled profiles: "
-                                f"{bundled_profiles()} (or give a path to a profile YAML)")
-        p = cand
+    p = resolve_bundled("profile", name_or_path, ScenarioError)
     if not p.is_file():
         raise ScenarioError(f"profile: {'not a file' if p.exists() else 'file not found'}: {p}")
     st = p.stat()

@@ -21,6 +21,7 @@ from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
 from twin.flags import VLLM_LORA_RANKS, EngineFlags, check_rank
 from twin.parsing import build_dataclass, check_adapter_id, check_choice, check_positive, read_config_file
+from twin.paths import resolve_bundled
 from twin.profile import Profile, load_profile
 
 ARRIVAL_PROCESSES = (*PROCESSES, "trace")        # synthetic processes: twin.arrivals
@@ -320,8 +321,9 @@ def check_sizes(sc: Scenario, where: str = "scenario") -> None:
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario YAML/JSON file."""
-    return scenario_from_dict(read_config_file(path, "scenario"), where=str(Path(path).name))
+    """Read and validate a scenario YAML/JSON file, or a bundled scenario by name (``example``)."""
+    path = resolve_bundled("scenario", path, ScenarioError)
+    return scenario_from_dict(read_config_file(path, "scenario"), where=path.name)
 
 
 def replace(sc: Scenario, **changes) -> Scenario:

@@ -17,11 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from lora_opt.io import atomic_write_json, atomic_write_text  # noqa: E402
-from lora_opt.tracking import log_dir, tracked_run  # noqa: E402
-from lora_opt.validate.probe_launch import LaunchedServer, read_launch  # noqa: E402
+from lora_opt.io import atomic_write_json, atomic_write_text
+from lora_opt.tracking import log_dir, tracked_run
+from lora_opt.validate.probe_launch import LaunchedServer, read_launch
 
 WORKLOAD = ROOT / "configs" / "workloads" / "example.yaml"
 

@@ -15,10 +15,9 @@ from typing import Any
 from lora_opt.errors import InputError
 from twin.errors import ScenarioError
 from twin.parsing import read_config_file
-from twin.paths import CONFIGS_DIR, REPO_ROOT
+from twin.paths import BUNDLE_ROOT, MODEL_TABLE_PATH
 from twin.profile import LORA_SET_RULES, EngineDefaults, ModelSpec
 
-MODEL_TABLE_PATH = CONFIGS_DIR / "models.yaml"
 
 #: engine generations with fitting code: ``v0`` = the vLLM 0.5.0 fork (no chunked prefill),
 #: ``v1`` = vLLM 0.8.5's V1 engine (chunked prefill)
@@ -116,7 +115,7 @@ def _gpu(key: str, raw: Any, where: str) -> GpuEntry:
     if (d.get("kernel_profile_file") is None) != (d.get("kernel_profile_model") is None):
         raise InputError(f"{where}: kernel_profile_file and kernel_profile_model go together")
     if d.get("kernel_profile_file") is not None:
-        d["kernel_profile_file"] = REPO_ROOT / d["kernel_profile_file"]
+        d["kernel_profile_file"] = BUNDLE_ROOT / d["kernel_profile_file"]
     if not isinstance(d["memory_gib"], (int, float)) or d["memory_gib"] <= 0:
         raise InputError(f"{where}.memory_gib: expected a positive number of GiB, got {d['memory_gib']!r}")
     return GpuEntry(key=key, **d)

@@ -46,15 +46,12 @@ from lora_opt.calibration.model_table import MODELS, ModelEntry, model_entry
 from lora_opt.calibration.profile_io import write_profile
 from lora_opt.calibration.step_fit import expected_distinct_adapters
 from twin.errors import ScenarioError
-from twin.paths import REPO_ROOT
+from twin.paths import bundle_relative
 from twin.profile import profile_from_dict
 
 
 def _rel_data_path(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
+    return bundle_relative(path)
 
 
 def _profile_dict(entry: ModelEntry, fits: dict[str, FitResult | None], data_path: Path,

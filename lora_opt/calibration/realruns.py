@@ -17,10 +17,9 @@ import numpy as np
 
 from lora_opt.calibration.model_table import MODEL_PROFILES  # model column -> bundled profile
 from twin.errors import ScenarioError
-from twin.paths import DATA_DIR, PROFILES_DIR
+from twin.paths import DATA_DIR, PROFILES_DIR, REAL_RUNS_CSV
 from twin.scenario import scenario_dict
 
-REAL_RUNS_CSV = DATA_DIR / "real_runs" / "real_runs_vllm_lora.csv"
 PEER_TWIN_CSV = DATA_DIR / "real_runs" / "peer_twin_validation.csv"
 
 #: the papers' benchmark client: never more than this many requests in flight (running + waiting)

@@ -17,7 +17,7 @@ from lora_opt.calibration.fitting import FitResult, r2_score, relative_linear_fi
 from lora_opt.calibration.model_table import MODELS, ModelEntry
 from lora_opt.calibration.step_fit import (decode_ctx_per_seq, fit_lora_factor, kernel_layer_slope,
                                            linear_params_per_layer)
-from twin.paths import REPO_ROOT
+from twin.paths import bundle_relative
 from twin.profile import LoraOverheadSpec
 
 
@@ -124,5 +124,5 @@ def fit_prefill_vidur(entry: ModelEntry) -> FitResult:
     ref = MODELS[entry.gpu.kernel_profile_model].spec
     ratio = linear_params_per_layer(entry.spec) / linear_params_per_layer(ref)
     return FitResult(params={"per_token_ms": slope * ratio * entry.spec.num_layers},
-                     families=[str(path.relative_to(REPO_ROOT))], n=0, r2=r2,
+                     families=[bundle_relative(path)], n=0, r2=r2,
                      extra={"target": "per-layer linear-op time vs num_tokens (>= 1024, TP 1) x layers"})

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from lora_opt import settings  # noqa: F401  (sets the no-network environment defaults)
+from lora_opt import __version__
 from lora_opt.cli import (bench, calibrate, calibrate_e2e, dataset, emulate, evaluate, fidelity, ingest, pareto,
                           place, probe, search, simulate, train, validate)
 from lora_opt.cli.conventions import (EPILOG, EXIT_BAD_INPUT, EXIT_INTERRUPTED, add_logging_flags, setup_logging,
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve many LoRA adapters on vLLM with as few GPUs as possible: a calibrated\n"
                     "digital twin of the engine and the tools built on it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"lora-opt {__version__}")
     add_logging_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

@@ -6,6 +6,7 @@ import logging
 
 from lora_opt.calibration.realruns import REAL_RUNS_CSV
 from lora_opt.errors import InputError
+from twin.paths import FROM_WHEEL
 
 from lora_opt.cli.common import WORKERS
 
@@ -24,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.calibration.e2e_fit import FIT_HALF, fit_model
 
+    if FROM_WHEEL:    # it rewrites the bundled profiles: they are the checkout's files, not site-packages'
+        raise InputError("calibrate-e2e rewrites the bundled profiles (configs/profiles/): run it in a checkout "
+                         "installed with pip install -e .")
     models = [args.model] if args.model else sorted(FIT_HALF)
     for m in models:
         if m not in FIT_HALF:

@@ -18,7 +18,7 @@ from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 
 def register(sub) -> None:
     pl = sub.add_parser("place", help="place a workload's adapters on GPUs; vLLM launch commands and a router table")
-    pl.add_argument("--workload", required=True, help="workload YAML/JSON (see configs/workloads/)")
+    pl.add_argument("--workload", required=True, help="workload YAML/JSON, or a bundled workload by name (example)")
     pl.add_argument("--gpus", type=GPUS, required=True, help="GPUs in the pool")
     pl.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                     help=f"placement policy (default: {DEFAULT_POLICY})")

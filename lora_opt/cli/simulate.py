@@ -13,7 +13,7 @@ from lora_opt.io import atomic_write_bytes, atomic_write_text
 
 def register(sub) -> None:
     s = sub.add_parser("simulate", help="simulate one vLLM instance described by a scenario file")
-    s.add_argument("scenario", help="scenario YAML/JSON (see configs/scenarios/example.yaml)")
+    s.add_argument("scenario", help="scenario YAML/JSON, or a bundled scenario by name (example)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     s.add_argument("--timeseries", metavar="FILE",
                    help="write time, running, waiting, KV usage, loaded adapters (CSV or .parquet)")

@@ -14,9 +14,7 @@ import json
 from lora_opt.placement.plan import Placement
 from twin.errors import ScenarioError
 from twin.parsing import check_adapter_id, check_adapter_path
-from twin.paths import DATA_DIR
-
-SERVE_ARGS = DATA_DIR / "reference" / "vllm_serve_args-0.33.0.json"
+from twin.paths import VLLM_SERVE_ARGS as SERVE_ARGS
 
 
 @functools.lru_cache(maxsize=1)

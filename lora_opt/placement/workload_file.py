@@ -30,6 +30,7 @@ from twin.errors import ScenarioError
 from twin.flags import EngineFlagChecks, check_rank
 from twin.parsing import (build_dataclass, check_adapter_id, check_adapter_path, check_finite, check_type,
                           read_config_file)
+from twin.paths import resolve_bundled
 from twin.profile import load_profile
 from twin.scenario import (DEFAULT_RHO, MAX_ADAPTERS, MAX_DURATION_S, MAX_REQUESTS, ArrivalConfig, LengthConfig,
                            parse_lengths, scenario_dict, scenario_from_dict)
@@ -223,8 +224,9 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
 
 
 def load_workload(path: str | Path) -> Workload:
-    """Read and validate a workload YAML/JSON file (its name defaults to the file's stem)."""
-    p = Path(path)
+    """Read and validate a workload YAML/JSON file, or a bundled workload by name (``example``);
+    its name defaults to the file's stem."""
+    p = resolve_bundled("workload", path, InputError)
     wl = workload_from_dict(read_config_file(p, "workload", InputError), where=p.name)
     if not wl.name:
         wl = dataclasses.replace(wl, name=p.stem)

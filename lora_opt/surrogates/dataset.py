@@ -33,12 +33,11 @@ from lora_opt.parallel import run_batches, simulate_dict
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, gpu_features
 from lora_opt.tracking import tracked_run
 from twin.errors import ScenarioError
-from twin.paths import REPO_ROOT
+from twin.paths import GRIDS_DIR
 from twin.parsing import build_dataclass, check_choice, check_finite, check_type, read_config_file
 from twin.profile import VLLM_LORA_RANKS, load_profile
 from twin.scenario import DEFAULT_RHO, LENGTH_SOURCES, MAX_DURATION_S, EngineConfig, scenario_dict
 
-GRIDS_DIR = REPO_ROOT / "configs" / "grids"
 METRICS_FLAT = {  # result key -> column(s)
     "ttft_ms": "ttft", "itl_ms": "itl", "tpot_ms": "tpot",
 }

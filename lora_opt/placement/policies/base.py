@@ -21,10 +21,8 @@ from lora_opt.surrogates.model_files import LEGACY_PICKLE_NAME, refuse_pickle
 from lora_opt.surrogates.oracle import ORACLE_FILES, Oracle, Surrogate
 from lora_opt.surrogates.registry import surrogate_dir as resolve_surrogate
 from twin.errors import ScenarioError
-from twin.paths import CONFIGS_DIR
+from twin.paths import SURROGATES_DIR
 from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
-
-SURROGATES_DIR = CONFIGS_DIR / "surrogates"
 
 
 @dataclass
