@@ -10,6 +10,7 @@ import pytest
 
 from lora_opt.cli import main
 from lora_opt.errors import BAD_INPUT, InputError
+from lora_opt.placement.evaluate import evaluate_placement, workload_from_placement
 from lora_opt.placement.plan import Placement, PlacementError
 from lora_opt.placement.workload_file import load_workload, workload_from_dict
 from twin.errors import ScenarioError
@@ -156,8 +157,17 @@ def test_grace_at_or_beyond_the_window_is_refused(tmp_path, capsys):
     wl = write(tmp_path, WORKLOAD, "w.yaml")
     assert main(["place", "--workload", wl, "--gpus", "2", "--out", str(out), "--policy", "greedy-fast"]) == 0
     capsys.readouterr()
-    rc, _, err = cli(capsys, "evaluate", str(out), "--workload", wl, "--workers", "1", "--grace-s", "120")
-    assert rc == 2 and "--grace-s" in err and "below the replayed duration" in err
+    for grace in ("120", "60"):     # beyond the window, and equal to it (no request would be due)
+        rc, _, err = cli(capsys, "evaluate", str(out), "--workload", wl, "--workers", "1", "--grace-s", grace,
+                         "--duration-s", "60")
+        assert rc == 2 and f"--grace-s: {grace} s must be below" in err and "(--duration-s) 60 s" in err
+    # the default grace (60 s) with a 60 s window: refused the same way, saying it is the default
+    rc, _, err = cli(capsys, "evaluate", str(out), "--workload", wl, "--workers", "1", "--duration-s", "60")
+    assert rc == 2 and "--grace-s: 60 s (the default) must be below" in err
+    # the library refuses it too (search and validate call it directly)
+    p = Placement.load(out / "placement.json")
+    with pytest.raises(ScenarioError, match=r"--grace-s: 60 s must be below .* 60 s"):
+        evaluate_placement(p, workload_from_placement(p), duration_s=60, grace_s=60, workers=1, progress=False)
 
 
 @pytest.mark.parametrize("field, value", [("duration_s", ".nan"), ("duration_s", ".inf"), ("rho", ".nan"),
