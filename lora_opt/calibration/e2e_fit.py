@@ -38,6 +38,7 @@ from lora_opt.calibration import realruns
 from lora_opt.calibration.e2e_params import with_e2e_params
 from lora_opt.calibration.model_table import FIT_HALF  # also the CLI's list of --model values
 from lora_opt.calibration.replay import replay_with_profile, select_runs
+from lora_opt.io import atomic_write_text
 
 SLOT_SHARE_GRID = (0.0, 0.2, 0.35, 0.5, 0.65, 0.8, 1.0)
 #: V0 per-step CPU time searched (ms); V1 profiles keep 0 (their ITL fits contain it)
@@ -137,5 +138,5 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
     }
     out = with_e2e_params(base, best_s, best_pf, frontend, best_so)
     out.setdefault("fit", {})["e2e"] = record
-    prof_path.write_text(header + yaml.safe_dump(out, sort_keys=False, width=110))
+    atomic_write_text(prof_path, header + yaml.safe_dump(out, sort_keys=False, width=110))
     return record

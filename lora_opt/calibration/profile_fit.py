@@ -44,6 +44,7 @@ from lora_opt.calibration.memory_check import check_summary, memory_check
 from lora_opt.calibration.memory_fit import weights_gib
 from lora_opt.calibration.model_table import MODELS, ModelEntry, model_entry
 from lora_opt.calibration.step_fit import expected_distinct_adapters
+from lora_opt.io import atomic_write_text
 from twin.errors import ScenarioError
 from twin.paths import REPO_ROOT
 from twin.profile import profile_from_dict
@@ -143,10 +144,8 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
             profile = profile_from_dict(prof, str(out))
     check = memory_check(runs, profile, entry.csv_name)
     prof["fit"]["memory_check"] = clean(check_summary(check))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as fh:
-        fh.write(_header(entry, _rel_data_path(data_path)))
-        yaml.safe_dump(prof, fh, sort_keys=False, default_flow_style=None, width=110)
+    atomic_write_text(out, _header(entry, _rel_data_path(data_path))
+                      + yaml.safe_dump(prof, sort_keys=False, default_flow_style=None, width=110))
     if report_dir is not None:
         calibrate_report.write_report(Path(report_dir), entry, prof, fits, check)
     return prof
