@@ -73,8 +73,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 #: argv: driver pid, Ray's temp root, seconds to wait for Ray's own clean-up.  It reads the session
 #: directory the driver sends on stdin, then blocks until stdin closes -- the driver exited, however
 #: (the kernel closes a killed process's pipe).  Then every process of that session still alive
-#: after the wait (those whose command line names the session directory: raylet, GCS, workers,
-#: agents) is killed, and the session directory is removed.  Without a name (the driver died during
+#: after the wait (those whose command line names the session directory, or that hold a file in it
+#: open: raylet, GCS, workers -- which retitle themselves ``ray::<task>`` -- and agents) is killed,
+#: and the session directory is removed.  Without a name (the driver died during
 #: ``ray.init``) the session is the one Ray names after the driver's pid, created since the start.
 _REAPER = r"""
 import glob, os, shutil, signal, sys, time
@@ -94,18 +95,27 @@ else:
     session = max(found, key=os.path.getmtime) if found else ""
 if not session or not os.path.basename(session).startswith("session_"):
     sys.exit(0)
-me, uid = os.getpid(), os.getuid()
+me, uid, prefix = os.getpid(), os.getuid(), session.rstrip("/") + "/"
+def in_session(pid):
+    with open("/proc/%s/cmdline" % pid, "rb") as fh:
+        if prefix.encode() in fh.read().replace(b"\0", b"/") + b"/":
+            return True
+    fds = "/proc/%s/fd" % pid          # busy workers retitle themselves (ray::task): their logs tell
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(os.path.join(fds, fd)).startswith(prefix):
+                return True
+        except OSError:
+            pass
+    return False
 def members():
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            if os.stat("/proc/" + entry).st_uid != uid:
-                continue
-            with open("/proc/%s/cmdline" % entry, "rb") as fh:
-                if session.encode() in fh.read():
-                    out.append(int(entry))
+            if os.stat("/proc/" + entry).st_uid == uid and in_session(entry):
+                out.append(int(entry))
         except OSError:
             pass
     return out

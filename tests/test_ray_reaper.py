@@ -33,16 +33,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _holds_open(pid: str, session: str) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(session + "/"):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def _session_processes(session: str) -> list[int]:
+    """Processes naming ``session`` on their command line or holding a file in it open (a busy Ray
+    worker retitles itself ``ray::<task>``, so its command line no longer says)."""
     out = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and _alive(int(entry)):
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    if session.encode() in fh.read() and _alive(int(entry)):
-                        out.append(int(entry))
+                    named = session.encode() in fh.read()
             except OSError:
-                pass
+                continue
+            if named or _holds_open(entry, session):
+                out.append(int(entry))
     return out
 
 
@@ -65,15 +82,20 @@ def _wait_gone(check, limit_s: float) -> float | None:
 
 
 DRIVER = textwrap.dedent("""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     from lora_opt.parallel import start_ray_reaper
     session, other = sys.argv[1], sys.argv[2]
     reaper = start_ray_reaper()
     reaper.tell(session)
-    # stand-ins for Ray's processes: detached (own session, like Ray's workers), their command
-    # lines naming the session directory; one of another session must survive
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", arg],
-                              start_new_session=True) for arg in (session + "/sockets/raylet", other)]
+    # stand-ins for Ray's processes, detached (own session, like Ray's workers): one whose command
+    # line names the session directory (raylet), one that only holds a log file in it open (a busy
+    # worker, retitled), one of another session, which must survive
+    sleep = "import os, time; log = open(os.environ['LOG'], 'a'); time.sleep(600)"
+    procs = [subprocess.Popen([sys.executable, "-c", sleep, arg], start_new_session=True,
+                              env={**os.environ, "LOG": log})
+             for arg, log in ((session + "/sockets/raylet", other + "/logs/a.log"),
+                              ("worker", session + "/logs/worker.log"),
+                              (other, other + "/logs/b.log"))]
     print(" ".join(str(p.pid) for p in procs), flush=True)
     time.sleep(600)
 """)
@@ -86,16 +108,17 @@ def test_reaper_kills_what_names_the_session_when_the_driver_is_killed(tmp_path)
         (d / "logs").mkdir(parents=True)
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(session), str(other)], env=ENV,
                               stdout=subprocess.PIPE, text=True)
-    mine, theirs = (int(x) for x in driver.stdout.readline().split())
+    named, holding, theirs = (int(x) for x in driver.stdout.readline().split())
     try:
-        assert _alive(mine) and _alive(theirs)
+        assert _wait_gone(lambda: not _holds_open(str(holding), str(session)), 10) is not None
+        assert _alive(named) and _alive(holding) and _alive(theirs)
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-        took = _wait_gone(lambda: _alive(mine) or session.exists(), REAPER_WAIT_S + 10)
-        assert took is not None, "the session's process or directory outlived the driver by 10 s"
+        took = _wait_gone(lambda: _alive(named) or _alive(holding) or session.exists(), REAPER_WAIT_S + 10)
+        assert took is not None, "the session's processes or directory outlived the driver by 10 s"
         assert _alive(theirs) and other.exists(), "the reaper touched another session"
     finally:
-        for pid in (mine, theirs):
+        for pid in (named, holding, theirs):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -123,14 +146,16 @@ def test_no_ray_process_outlives_a_killed_driver():
     session = driver.stdout.readline().strip()
     try:
         assert session and Path(session).is_dir()
-        busy = _wait_gone(lambda: sum("default_worker" in _cmdline(p) for p in _session_processes(session)) < 2, 60)
-        assert busy is not None, "Ray's two workers did not start"
-        time.sleep(1.0)                                      # both are inside idle_task now
+        # a worker running a task retitles itself ray::<task> (no session on its command line)
+        busy = _wait_gone(lambda: sum(_cmdline(p).startswith("ray::idle_task")
+                                      for p in _session_processes(session)) < 2, 60)
+        assert busy is not None, "Ray's two workers did not start idle_task"
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         took = _wait_gone(lambda: bool(_session_processes(session)) or Path(session).exists(), REAPER_WAIT_S + 10)
         assert took is not None, f"left after 10 s: {_session_processes(session)}, dir {Path(session).exists()}"
     finally:
+        driver.kill()
         for pid in _session_processes(session) if session else []:
             try:
                 os.kill(pid, signal.SIGKILL)
