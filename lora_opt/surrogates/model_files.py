@@ -19,6 +19,11 @@ Layout of a surrogate directory (``lora-opt train`` writes both)::
                        "threshold": ..., "feature_names": [...], "metadata": {...}}
     surrogate.skops   skops zip of {"regressor": fitted, "classifier": fitted}
 
+Writing is crash-safe: the new model goes to ``surrogate.skops.pending``, the manifest (the commit
+point) replaces the old one, then the model is renamed into place; a crash before the manifest
+leaves the previous surrogate loading, one after it leaves the new one loading from the pending
+file (``read`` looks there when the hash does not match, with the same checks).
+
 Loading, in this order, each step refusing with ``InputError`` (naming the file and what is
 expected) before the next one runs:
 
