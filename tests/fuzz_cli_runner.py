@@ -54,7 +54,7 @@ def warm(surrogate: bool) -> None:
             fh.write(WARM_WORKLOAD)
         policy = "greedy-plus" if surrogate else "greedy-fast"
         out = os.path.join(d, "o")
-        assert _quiet_main(["place", "--workload", wl, "--gpus", "2", "--policy", policy, "--verify-s", "30",
+        assert _quiet_main(["place", "--workload", wl, "--gpus", "2", "--policy", policy, "--verify-s", "90",
                             "--out", out]) == 0
         assert _quiet_main(["evaluate", out, "--workers", "1", "--duration-s", "30", "--grace-s", "10",
                             "--json"]) == 0

@@ -440,7 +440,7 @@ def place_case(case):
     with tempfile.TemporaryDirectory() as d:
         f, out = _write(doc, ".yaml", Path(d)), Path(d) / "out"
         argv = ["place", "--workload", str(f), "--gpus", str(gpus), "--policy", policy, "--out", str(out),
-                "--verify-s", "30", "--json"] + (["--emit-vllm"] if emit else [])
+                "--verify-s", "90", "--json"] + (["--emit-vllm"] if emit else [])
         res = cli_case("place CLI", kind, argv, surrogate=policy in ("greedy-plus", "greedy"))
         if res["rc"] == 0:
             p = Placement.load(out / "placement.json")         # what it wrote is a whole placement

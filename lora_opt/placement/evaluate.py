@@ -156,7 +156,11 @@ class Criterion:
 
     def check(self, r, T: float, grace_s: float = GRACE_S) -> dict:
         """served_fraction, ttft_attainment, itl_attainment and ok for one GPU's result (a twin
-        ``Result`` or its dict with ``samples``)."""
+        ``Result`` or its dict with ``samples``).  A grace of the whole window ``T`` or more is
+        refused: no request would be due, and every GPU would pass unjudged."""
+        if not grace_s < T:
+            raise ScenarioError(f"starvation verdict: the grace {grace_s:g} s must be below the judged window "
+                                f"{T:g} s (otherwise no request is due and every GPU passes)")
         if not isinstance(r, dict):
             r = {**r.to_dict(), "samples": r.samples}
         out = {"served_fraction": served_fraction(r, T, grace_s), "ttft_attainment": None, "itl_attainment": None}
