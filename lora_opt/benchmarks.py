@@ -28,7 +28,6 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.io import atomic_write_json
 from lora_opt.parallel import TaskPool, init_ray, run_batches
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.trace_split import trace_split
@@ -78,7 +77,8 @@ print(json.dumps({"wall_s": best, "steps": r.steps, "requests": r.arrived, "star
 def _dump(out: str | None, obj) -> None:
     """Write a benchmark's results as JSON when ``--out`` is given."""
     if out:
-        atomic_write_json(out, obj, indent=2)
+        with open(out, "w") as fh:
+            json.dump(obj, fh, indent=2)
 
 
 def _run(scenario: dict, repeats: int) -> dict:
