@@ -452,3 +452,14 @@ def test_two_dataset_writers_on_one_directory_both_finish_with_the_right_rows(tm
     df = ds.load_dataset(out)
     assert sorted(df["point_id"]) == list(range(12))
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("policy", ["loraserve", "loraserve-capped"])
+def test_loraserve_with_an_engine_that_cannot_start_is_a_result(tmp_path, capsys, policy):
+    """Found by the place fuzz: at gpu_memory_utilization 0.50 one adapter alone gets no throughput;
+    LoRAServe's demand was infinite and place ended in an OverflowError traceback. Now: infeasible."""
+    wl = write(tmp_path, f"profile: {PROFILE}\nengine: {{gpu_memory_utilization: 0.5043}}\n"
+                         "adapters:\n  - {id: a, rank: 1, rate: 0.1}\n", "w.yaml")
+    rc, _, err = cli(capsys, "place", "--workload", wl, "--gpus", "1", "--policy", policy, "--out",
+                     str(tmp_path / "o"), "--emit-vllm")
+    assert rc == 3 and "Traceback" not in err
