@@ -7,6 +7,7 @@ one, and two writers never share a temporary name.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -64,3 +65,17 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1, def
                       allow_nan: bool = True) -> Path:
     """:func:`atomic_write_bytes` of ``obj`` as JSON."""
     return atomic_write_text(path, json.dumps(obj, indent=indent, default=default, allow_nan=allow_nan))
+
+
+def atomic_write_csv(path: str | Path, df, **to_csv_kwargs) -> Path:
+    """A pandas DataFrame as CSV (``df.to_csv(**to_csv_kwargs)``), written atomically."""
+    return atomic_write_text(path, df.to_csv(**to_csv_kwargs))
+
+
+def atomic_write_figure(path: str | Path, fig, **savefig_kwargs) -> Path:
+    """A matplotlib figure rendered in memory (format from the file's suffix, PNG by default), then
+    written atomically: a failure while rendering leaves the old file as it was."""
+    buf = io.BytesIO()
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    fig.savefig(buf, format=fmt, **savefig_kwargs)
+    return atomic_write_bytes(path, buf.getvalue())

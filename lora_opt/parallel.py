@@ -17,6 +17,7 @@ import collections
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -48,7 +49,9 @@ def _simulate_batch(scenarios: list[dict]) -> list[dict]:
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Start (or connect to) Ray quietly, on loopback, without usage reporting or dashboard."""
+    """Start (or connect to) Ray quietly, on loopback, without usage reporting or dashboard.
+    A local instance started here is watched by ``start_ray_reaper``: it never outlives this
+    process, ``kill -9`` included; a cluster at ``address`` / ``RAY_ADDRESS`` is never touched."""
     import ray  # heavy optional dependency: only when tasks go to Ray
 
     if ray.is_initialized():
@@ -59,8 +62,117 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
+        reaper = start_ray_reaper()       # before ray.init: a kill during its 5-10 s is covered too
         # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (lora_opt.settings) keeps the local node on 127.0.0.1
-        ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=200 * 1024**2, **kwargs)
+        ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=200 * 1024**2, **kwargs)
+        if reaper is not None:
+            reaper.tell(ctx.address_info.get("session_dir") or "")
+
+
+#: The reaper's program (run as ``python -c``, standard library only, so it starts in ~30 ms).
+#: argv: driver pid, Ray's temp root, seconds to wait for Ray's own clean-up.  It reads the session
+#: directory the driver sends on stdin, then blocks until stdin closes -- the driver exited, however
+#: (the kernel closes a killed process's pipe).  Then every process of that session still alive
+#: after the wait (those whose command line names the session directory, or that hold a file in it
+#: open: raylet, GCS, workers -- which retitle themselves ``ray::<task>`` -- and agents) is killed,
+#: and the session directory is removed.  Without a name (the driver died during
+#: ``ray.init``) the session is the one Ray names after the driver's pid, created since the start.
+_REAPER = r"""
+import glob, os, shutil, signal, sys, time
+pid, root, wait_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+started, sent = time.time() - 1, b""
+while True:
+    chunk = os.read(0, 4096)
+    if not chunk:
+        break
+    sent += chunk
+names = [n for n in sent.decode(errors="replace").splitlines() if n.strip()]
+if names:
+    session = names[-1]
+else:
+    found = [d for d in glob.glob(os.path.join(root, "session_*_%d" % pid)) if os.path.getmtime(d) >= started]
+    session = max(found, key=os.path.getmtime) if found else ""
+if not session or not os.path.basename(session).startswith("session_"):
+    sys.exit(0)
+me, uid, prefix = os.getpid(), os.getuid(), session.rstrip("/") + "/"
+def in_session(pid):
+    with open("/proc/%s/cmdline" % pid, "rb") as fh:
+        if prefix.encode() in fh.read().replace(b"\0", b"/") + b"/":
+            return True
+    fds = "/proc/%s/fd" % pid          # busy workers retitle themselves (ray::task): their logs tell
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(os.path.join(fds, fd)).startswith(prefix):
+                return True
+        except OSError:
+            pass
+    return False
+def members():
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.stat("/proc/" + entry).st_uid == uid and in_session(entry):
+                out.append(int(entry))
+        except OSError:
+            pass
+    return out
+deadline = time.time() + wait_s
+while members() and time.time() < deadline:
+    time.sleep(0.2)
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for p in members():
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+    time.sleep(0.5)
+shutil.rmtree(session, ignore_errors=True)
+"""
+
+#: seconds the reaper lets Ray's own clean-up run (raylet and GCS die with the driver within ~1 s)
+REAPER_WAIT_S = 1.0
+
+
+class RayReaper:
+    """The handle of a running reaper: ``tell`` it the session directory once Ray has started."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def tell(self, session_dir: str) -> None:
+        try:
+            self.proc.stdin.write(session_dir.encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            log.warning("the Ray reaper is gone: Ray may outlive this process if it is killed")
+
+
+def ray_temp_root() -> str:
+    """Where a local Ray keeps its sessions (Ray's own rule: RAY_TMPDIR, TMPDIR on Linux, /tmp)."""
+    base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
+    return os.path.join(base or "/tmp", "ray")
+
+
+def start_ray_reaper() -> RayReaper | None:
+    """Start the watchdog that kills a local Ray instance started by this process when this process
+    ends -- normally, by an exception, or by ``kill -9`` (Ray's own fate sharing leaves busy workers
+    running for up to ~30 s, and nothing removes the session directory).  It runs in its own session,
+    so a signal to the driver's process group (Ctrl-C, ``kill -- -PGID``) does not stop it first.
+    Linux only (it finds Ray's processes in /proc); elsewhere None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), ray_temp_root(), str(REAPER_WAIT_S)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
+    reaper = RayReaper(proc)
+    _REAPERS.append(reaper)           # the pipe's write end stays open (referenced) until this process ends
+    return reaper
+
+
+_REAPERS: list[RayReaper] = []
 
 
 def _batches(items: Sequence, size: int) -> Iterable[tuple[int, list]]:

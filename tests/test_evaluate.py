@@ -58,7 +58,8 @@ def test_oom_instances_are_results():
     wl = workload_from_dict({"profile": P, "adapters": [{"count": 600, "rank": 32, "rate": 0.01}],
                              "evaluation": {"duration_s": 60}})
     p = get_policy("dlora").place(wl, 1)
-    ev = evaluate_placement(p, wl, workers=1, progress=False)
+    # grace 30 s: the default 60 s equals this 60 s window, which leaves no request due (refused)
+    ev = evaluate_placement(p, wl, workers=1, progress=False, grace_s=30)
     assert ev["gpus_failing_startup"] == 1 and ev["per_gpu"][0]["status"] == "oom"
 
 

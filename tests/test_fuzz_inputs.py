@@ -12,12 +12,15 @@ category and prints the table of outcomes the README's Reliability section quote
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import io
 import json
 import math
+import os
 import signal
+import subprocess
 import sys
 import tempfile
 import tracemalloc
@@ -37,6 +40,7 @@ from twin.profile import load_profile
 from twin.scenario import load_scenario
 
 PROFILE = "llama-3.1-8b-h100-64gb"
+REPO = Path(__file__).resolve().parents[1]
 FAST, SLOW = 12, 300
 #: the most a refused input may allocate (bytes, tracemalloc's peak), and the time an input may take (s)
 MEMORY_LIMIT = 1 << 30
@@ -360,6 +364,118 @@ def flag_case(case):
     KINDS["flag refused" if "argument --" in err.getvalue() else "flag accepted, then missing file"]["clean error"] += 1
 
 
+# ---- end to end: `place` and `evaluate` on fuzzed documents, under hard limits -----------------------
+class CliRunner:
+    """The fork server (tests/fuzz_cli_runner.py) that runs each CLI case in a child limited to
+    MEMORY_LIMIT more address space (``RLIMIT_AS``) and TIME_LIMIT_S of wall time."""
+
+    def __init__(self, surrogate: bool):
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fuzz_cli_runner.py")]
+                                     + (["--warm-surrogate"] if surrogate else []),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.surrogate = surrogate
+        ready = self.proc.stdout.readline().strip()
+        assert ready == "ready", f"the fuzz runner did not start: {ready!r}"
+
+    def run(self, argv: list[str]) -> dict:
+        self.proc.stdin.write(json.dumps({"argv": argv, "timeout_s": TIME_LIMIT_S, "mem_bytes": MEMORY_LIMIT}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+_RUNNERS: dict[bool, CliRunner] = {}
+
+
+def cli_runner(surrogate: bool = False) -> CliRunner:
+    """One runner per test run (its start-up, ~5 s, or ~20 s warming the surrogate, paid once)."""
+    if surrogate not in _RUNNERS:
+        _RUNNERS[surrogate] = CliRunner(surrogate)
+    return _RUNNERS[surrogate]
+
+
+atexit.register(lambda: [r.close() for r in _RUNNERS.values()])
+
+#: policies fuzzed by default (no surrogate to load); the long run adds greedy-plus (twin-verified)
+PLACE_POLICIES = ["greedy-fast", "dlora", "loraserve", "dlora-capped"]
+PLACE_POLICIES_LONG = PLACE_POLICIES + ["greedy-plus", "greedy"]
+#: the end-to-end categories' examples in the default run (each is a CLI command in a child)
+FAST_E2E = 4
+
+
+def _no_nan(text: str):
+    def refuse(const):
+        raise AssertionError(f"{const} in the JSON output")
+    return json.loads(text, parse_constant=refuse)
+
+
+#: the documented exit statuses of a result: place 3 = infeasible, 4 = placed but not deployable
+RESULT_STATUS = {"place": (0, 3, 4), "evaluate": (0,)}
+
+
+def cli_case(category: str, kind: str, argv: list[str], surrogate: bool = False) -> dict:
+    """Run ``argv`` in the runner; it must exit with a result's status (``RESULT_STATUS``) or 2 (one
+    clean error), with no traceback, within the time and memory limits.  Recorded like ``run_case``."""
+    res = cli_runner(surrogate).run(argv)
+    what = f"{category}/{kind}: lora-opt {' '.join(argv)}"
+    assert not res["killed"], f"{what}: still running after {TIME_LIMIT_S} s"
+    assert res["rc"] in RESULT_STATUS[argv[0]] + (2,), f"{what}: exit {res['rc']}\n{res['stderr'][-4000:]}"
+    assert "Traceback" not in res["stderr"], f"{what}: a traceback\n{res['stderr'][-4000:]}"
+    outcome = "clean error" if res["rc"] == 2 else "ok"
+    if outcome == "clean error":
+        assert "error:" in res["stderr"], f"{what}: exit 2 without an error message"
+        PEAK[category] = max(PEAK[category], res["rss_growth_kib"] * 1024)
+    OUTCOMES[category][outcome] += 1
+    KINDS[kind][outcome] += 1
+    return res
+
+
+@st.composite
+def place_case_strategy(draw, policies):
+    return draw(mutated(workload_doc)), draw(st.sampled_from(policies)), draw(st.integers(1, 4)), draw(st.booleans())
+
+
+def place_case(case):
+    (kind, doc), policy, gpus, emit = case
+    with tempfile.TemporaryDirectory() as d:
+        f, out = _write(doc, ".yaml", Path(d)), Path(d) / "out"
+        argv = ["place", "--workload", str(f), "--gpus", str(gpus), "--policy", policy, "--out", str(out),
+                "--verify-s", "90", "--json"] + (["--emit-vllm"] if emit else [])
+        res = cli_case("place CLI", kind, argv, surrogate=policy in ("greedy-plus", "greedy"))
+        if res["rc"] in (0, 4):
+            p = Placement.load(out / "placement.json")         # what it wrote is a whole placement
+            assert _no_nan(res["stdout"]) and len(p.gpus) <= gpus
+            if emit and res["rc"] == 0:
+                lines = (out / "vllm" / "serve_commands.txt").read_text().splitlines()
+                assert len(lines) == len(p.gpus)
+            if res["rc"] == 4:                                 # not deployable: no launch files
+                assert not (out / "vllm").exists() and not (out / "router.json").exists()
+        elif res["rc"] == 2:
+            assert not (out / "placement.json").exists(), "refused, yet a placement was written"
+
+
+@st.composite
+def evaluate_case_strategy(draw):
+    return draw(mutated(placement_doc(), text_ok=True)), draw(st.booleans())
+
+
+def evaluate_case(case):
+    (kind, doc), as_directory = case
+    with tempfile.TemporaryDirectory() as d:
+        f = _write(doc, ".json", Path(d))
+        if as_directory:                  # the folder `place` printed, holding placement.json
+            f = f.rename(Path(d) / "placement.json").parent
+        argv = ["evaluate", str(f), "--workers", "1", "--duration-s", "30", "--grace-s", "10", "--json"]
+        res = cli_case("evaluate CLI", kind, argv)
+        if res["rc"] == 0:
+            ev = _no_nan(res["stdout"])
+            assert ev["requests"] >= ev["completed"] >= 0 and len(ev["per_gpu"]) >= 1
+
+
 CASES = {
     "scenario": (mutated(scenario_doc), scenario_case),
     "workload": (mutated(workload_doc), workload_case),
@@ -367,11 +483,18 @@ CASES = {
     "placement": (mutated(placement_doc(), text_ok=True), placement_case),
     "request log": (request_log(), request_log_case),
     "CLI flags": (flag_case_strategy(), flag_case),
+    "place CLI": (place_case_strategy(PLACE_POLICIES), place_case),
+    "evaluate CLI": (evaluate_case_strategy(), evaluate_case),
 }
+#: the long run's strategies where they differ (greedy-plus: the surrogate and the twin verification)
+LONG_CASES = {"place CLI": (place_case_strategy(PLACE_POLICIES_LONG), place_case)}
+E2E = ("place CLI", "evaluate CLI")
 
 
-def _property(name: str, n: int):
-    strategy, check = CASES[name]
+def _property(name: str, n: int, long: bool = False):
+    strategy, check = (LONG_CASES if long else {}).get(name, CASES[name])
+    if name in E2E and not long:
+        n = min(n, FAST_E2E)
     return _fuzz(n)(given(strategy)(check))
 
 
@@ -380,10 +503,31 @@ def test_fuzz_inputs_end_in_a_result_or_a_clean_error(name):
     _property(name, FAST)()
 
 
+def test_the_cli_runner_enforces_its_limits(tmp_path):
+    """The hard limits are real: a command given 64 MiB of address space fails with MemoryError (an
+    exit status the fuzz cases refuse), one given 0.5 s of a longer replay is killed."""
+    wl = tmp_path / "w.yaml"
+    wl.write_text(f"profile: {PROFILE}\nadapters:\n  - {{count: 4, rank: 8, rate: 0.5, prefix: s-}}\n")
+    runner = cli_runner()
+    assert runner.run(["place", "--workload", str(wl), "--gpus", "1", "--policy", "greedy-fast", "--out",
+                       str(tmp_path / "p")])["rc"] == 0
+    argv = ["evaluate", str(tmp_path / "p"), "--workers", "1", "--duration-s", "20000", "--json"]
+    req = {"argv": argv, "timeout_s": 0.5, "mem_bytes": MEMORY_LIMIT}
+    runner.proc.stdin.write(json.dumps(req) + "\n")
+    runner.proc.stdin.flush()
+    assert json.loads(runner.proc.stdout.readline())["killed"]
+    # 20 million requests (within the size limits) need gigabytes: 64 MiB more fails at once
+    big = argv[:-2] + ["10000000", "--json"]
+    runner.proc.stdin.write(json.dumps({"argv": big, "timeout_s": TIME_LIMIT_S, "mem_bytes": 64 << 20}) + "\n")
+    runner.proc.stdin.flush()
+    res = json.loads(runner.proc.stdout.readline())
+    assert res["rc"] not in (0, 2, 3) and "MemoryError" in res["stderr"], res
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fuzz_inputs_long(name):
-    _property(name, SLOW)()
+    _property(name, SLOW, long=True)()
     print("\n" + outcome_table())
 
 
@@ -394,6 +538,10 @@ def outcome_table() -> str:
     for cat, c in sorted(OUTCOMES.items()):
         tried = c["ok"] + c["clean error"]
         lines.append(f"| {cat} | {tried} | {c['ok']} | {c['clean error']} | 0 | {PEAK[cat] / 2**20:.1f} MiB |")
+    lines += ["", "Peak memory: tracemalloc's peak in-process; for the CLI categories the peak RSS growth of the "
+              f"forked child, which runs under a hard limit of +{MEMORY_LIMIT / 2**30:g} GiB address space "
+              f"(RLIMIT_AS) and {TIME_LIMIT_S} s; a valid result of `place` includes exit 3 (infeasible) "
+              "and 4 (placed, not deployable)."]
     lines += ["", "| mutation | inputs tried | valid result | clean error |", "|---|---:|---:|---:|"]
     for kind, c in sorted(KINDS.items()):
         lines.append(f"| {kind} | {c['ok'] + c['clean error']} | {c['ok']} | {c['clean error']} |")
@@ -403,5 +551,5 @@ def outcome_table() -> str:
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else SLOW
     for name in sorted(CASES):
-        _property(name, n)()
+        _property(name, n, long=True)()
     print(outcome_table())

@@ -10,6 +10,7 @@ import pytest
 
 from lora_opt.cli import main
 from lora_opt.errors import BAD_INPUT, InputError
+from lora_opt.placement.evaluate import Criterion, evaluate_placement, workload_from_placement
 from lora_opt.placement.plan import Placement, PlacementError
 from lora_opt.placement.workload_file import load_workload, workload_from_dict
 from twin.errors import ScenarioError
@@ -156,8 +157,23 @@ def test_grace_at_or_beyond_the_window_is_refused(tmp_path, capsys):
     wl = write(tmp_path, WORKLOAD, "w.yaml")
     assert main(["place", "--workload", wl, "--gpus", "2", "--out", str(out), "--policy", "greedy-fast"]) == 0
     capsys.readouterr()
-    rc, _, err = cli(capsys, "evaluate", str(out), "--workload", wl, "--workers", "1", "--grace-s", "120")
-    assert rc == 2 and "--grace-s" in err and "below the replayed duration" in err
+    for grace in ("120", "60"):     # beyond the window, and equal to it (no request would be due)
+        rc, _, err = cli(capsys, "evaluate", str(out), "--workload", wl, "--workers", "1", "--grace-s", grace,
+                         "--duration-s", "60")
+        assert rc == 2 and f"--grace-s: {grace} s must be below" in err and "(--duration-s) 60 s" in err
+    # the default grace (60 s) with a 60 s window: refused the same way, saying it is the default
+    rc, _, err = cli(capsys, "evaluate", str(out), "--workload", wl, "--workers", "1", "--duration-s", "60")
+    assert rc == 2 and "--grace-s: 60 s (the default) must be below" in err
+    # the library refuses it too (search and validate call it directly), and so does the verdict
+    # itself (greedy-plus's twin verification judges with it)
+    p = Placement.load(out / "placement.json")
+    with pytest.raises(ScenarioError, match=r"--grace-s: 60 s must be below .* 60 s"):
+        evaluate_placement(p, workload_from_placement(p), duration_s=60, grace_s=60, workers=1, progress=False)
+    with pytest.raises(ScenarioError, match=r"grace 60 s must be below the judged window 60 s"):
+        Criterion(rho=0.9).check({"samples": {}}, 60.0, 60.0)
+    # greedy-plus verifying for no longer than the grace would judge nothing: refused
+    rc, _, err = cli(capsys, "place", "--workload", wl, "--gpus", "2", "--verify-s", "60", "--out", str(tmp_path / "v"))
+    assert rc == 2 and "verify_s: 60 s must be above the starvation verdict's grace 60 s" in err
 
 
 @pytest.mark.parametrize("field, value", [("duration_s", ".nan"), ("duration_s", ".inf"), ("rho", ".nan"),
@@ -290,7 +306,7 @@ def test_placement_routing_to_a_gpu_that_does_not_exist_is_refused(tmp_path, cap
     rc, _, err = cli(capsys, "evaluate", f, "--workers", "1")
     assert rc == 2 and "does not exist" in err
     # a placement built in code is refused by evaluate as well (no vanishing requests)
-    from lora_opt.placement.evaluate import evaluate_placement, workload_from_placement
+    from lora_opt.placement.evaluate import Criterion, evaluate_placement, workload_from_placement
     d["routes"]["b"] = [[0, 1.0]]
     p = Placement.from_dict(d)
     p.routes["b"] = [(3, 1.0)]
@@ -436,3 +452,14 @@ def test_two_dataset_writers_on_one_directory_both_finish_with_the_right_rows(tm
     df = ds.load_dataset(out)
     assert sorted(df["point_id"]) == list(range(12))
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("policy", ["loraserve", "loraserve-capped"])
+def test_loraserve_with_an_engine_that_cannot_start_is_a_result(tmp_path, capsys, policy):
+    """Found by the place fuzz: at gpu_memory_utilization 0.50 one adapter alone gets no throughput;
+    LoRAServe's demand was infinite and place ended in an OverflowError traceback. Now: infeasible."""
+    wl = write(tmp_path, f"profile: {PROFILE}\nengine: {{gpu_memory_utilization: 0.5043}}\n"
+                         "adapters:\n  - {id: a, rank: 1, rate: 0.1}\n", "w.yaml")
+    rc, _, err = cli(capsys, "place", "--workload", wl, "--gpus", "1", "--policy", policy, "--out",
+                     str(tmp_path / "o"), "--emit-vllm")
+    assert rc == 3 and "Traceback" not in err

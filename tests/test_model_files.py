@@ -217,3 +217,52 @@ def test_models_read_back_from_mlflow_go_through_the_fixed_list(tmp_path, kind):
     with pytest.raises(InputError, match="pickle" if kind == "pickle" else "builtins.exec"):
         model_files.load_logged_model(str(d))
     assert not marker.exists()
+
+
+def _small_surrogate(seed: int) -> Surrogate:
+    rng = np.random.default_rng(seed)
+    X = rng.random((60, len(FEATURES))) * 10
+    reg = training.make_regressor("knn").fit(X, X[:, 0] * 50 + seed)
+    clf = training.make_classifier("knn").fit(X, (X[:, 1] > 5).astype(int))
+    return Surrogate(reg, clf, 0.5)
+
+
+def _same_model(a: Surrogate, b: Surrogate) -> bool:
+    X = np.random.default_rng(9).random((20, len(FEATURES))) * 10
+    return all(np.array_equal(x, y) for x, y in zip(a.predict(X), b.predict(X)))
+
+
+def test_a_crash_while_writing_a_model_leaves_a_whole_one(tmp_path, monkeypatch):
+    """The model and its manifest are two files with one commit point (the manifest): a write that
+    dies before it leaves the previous model loading as before; one that dies after it (before the
+    final rename) loads the new one; no state in between is refused as tampered."""
+    old, new = _small_surrogate(0), _small_surrogate(1)
+    d = tmp_path / "s"
+    old.save(d)
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_files, "atomic_write_text", crash)     # dies writing the manifest
+    with pytest.raises(OSError):
+        new.save(d)
+    monkeypatch.undo()
+    assert _same_model(Surrogate.load(d), old) and not _same_model(old, new)
+
+    real_replace = os.replace
+
+    def crash_on_the_final_rename(src, dst):
+        if pathlib.Path(src).name == model_files.PENDING_NAME:
+            crash()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_the_final_rename)    # dies after the manifest
+    with pytest.raises(OSError):
+        new.save(d)
+    monkeypatch.undo()
+    assert (d / model_files.PENDING_NAME).is_file()
+    assert _same_model(Surrogate.load(d), new)
+
+    new.save(d)                                                       # a whole write tidies up
+    assert not (d / model_files.PENDING_NAME).exists() and _same_model(Surrogate.load(d), new)
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []   # no temporaries left

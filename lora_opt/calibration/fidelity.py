@@ -15,7 +15,6 @@ twin both ways: ``sharegpt`` (lengths drawn from the fitted ShareGPT model, the 
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 from lora_opt.calibration import realruns
 from lora_opt.calibration.model_table import FIT_HALF
 from lora_opt.calibration.replay import select_runs, simulate_runs
+from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
 from twin.errors import ScenarioError
 
 #: (name in the report, real column, twin result key, twin sub-key, peer column)
@@ -162,7 +162,7 @@ def _scatter_plots(df, variants, out_dir: Path):
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "predicted_vs_real.png"
-    fig.savefig(path, dpi=80)
+    atomic_write_figure(path, fig, dpi=80)
     plt.close(fig)
     return [path.name]
 
@@ -196,7 +196,7 @@ def _curve_plots(df, variant: str, out_dir: Path) -> list[str]:
         fig.suptitle(exp, fontsize=9)
         fig.tight_layout()
         fname = "curves_" + exp.replace("/", "_").replace(".", "p") + ".png"
-        fig.savefig(out_dir / fname, dpi=70)
+        atomic_write_figure(out_dir / fname, fig, dpi=70)
         plt.close(fig)
         files.append(fname)
     return files
@@ -278,7 +278,7 @@ def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) ->
               "closed-loop benchmarks whose client behaviour is not recorded; they are left out.", "",
               "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -302,9 +302,9 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
         results[v] = simulate_runs(rows, "auto" if v == "sharegpt" else "mean", workers, ray_address)
     peer = pd.read_csv(realruns.PEER_TWIN_CSV)
     df = comparison_table(rows, results, peer)
-    df.to_csv(out / "runs.csv", index=False)
+    atomic_write_csv(out / "runs.csv", df, index=False)
     maxpack = max_pack_table(df, variants[0])
-    maxpack.to_csv(out / "max_pack.csv", index=False)
+    atomic_write_csv(out / "max_pack.csv", maxpack, index=False)
     plots = _scatter_plots(df, list(variants), out) + _curve_plots(df, variants[0], out)
     n_mp = int(maxpack["grid_steps_off"].notna().sum()) if len(maxpack) else 0
     summary = {
@@ -317,6 +317,6 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
                      "within_one": int((maxpack["grid_steps_off"].abs() <= 1).sum()) if n_mp else 0},
         "wall_s": time.perf_counter() - t0,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    atomic_write_json(out / "summary.json", summary, indent=2, default=float)
     write_report(summary, df, maxpack, out, plots)
     return summary

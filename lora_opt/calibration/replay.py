@@ -10,6 +10,7 @@ import numpy as np
 import yaml
 
 from lora_opt.calibration import realruns
+from lora_opt.io import atomic_write_text
 from lora_opt.parallel import run_scenarios
 
 
@@ -32,7 +33,7 @@ def simulate_runs(rows, lengths: str, workers: int | None, ray_address: str | No
 def replay_with_profile(rows, profile: dict, tmp: Path, workers: int | None) -> list[dict]:
     """Twin results of ``rows`` with ``profile`` (a dict, written to ``tmp``) instead of the bundled one."""
     path = tmp / f"profile_{abs(hash(yaml.safe_dump(profile)))}.yaml"
-    path.write_text(yaml.safe_dump(profile))
+    atomic_write_text(path, yaml.safe_dump(profile))
     scenarios = []
     for _, r in rows.iterrows():
         s = realruns.run_to_scenario(r)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from lora_opt.io import atomic_write_figure, atomic_write_text
+
 DPI = 80
 FIGSIZE = (8.0, 3.4)
 
@@ -25,7 +27,7 @@ def _pyplot():
 def _save(fig, path: Path) -> str:
     plt = _pyplot()
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    atomic_write_figure(path, fig, dpi=DPI)
     plt.close(fig)
     return path.name
 
@@ -308,5 +310,5 @@ def write_report(report_dir: Path, entry, prof: dict[str, Any], fits: dict[str, 
     lines += _step_section(prof, fits)
     lines += _loading_section(prof, fits)
     path = report_dir / "fit_report.md"
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines))
     return path

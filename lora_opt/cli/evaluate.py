@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
                          time_scale=args.time_scale, start_s=args.start_s, duration_s=args.duration_s,
                          lengths=args.lengths, seed=args.seed)
     grace_s = GRACE_DEFAULT_S if args.grace_s is None else args.grace_s
-    if args.grace_s is not None and grace_s >= wl.evaluation.duration_s:
-        raise InputError(f"--grace-s: {grace_s:g} s must be below the replayed duration "
+    if grace_s >= wl.evaluation.duration_s:
+        default = " (the default)" if args.grace_s is None else ""
+        raise InputError(f"--grace-s: {grace_s:g} s{default} must be below the replayed duration (--duration-s) "
                          f"{wl.evaluation.duration_s:g} s (otherwise no request is due and every GPU passes)")
     ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address,
                             progress=show_progress(args), grace_s=grace_s)

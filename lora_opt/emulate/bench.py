@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from lora_opt.emulate.client import replay, summarise
+from lora_opt.io import atomic_write_json
 from twin.scenario import scenario_from_dict
 from twin.simulate import simulate
 from twin.workload import generate_requests
@@ -240,7 +241,6 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
                                                                            "itl_mean_ms")]
         lines.append(f"{c['speed']:6g} {cells[0]:>28s} {cells[1]:>26s} {cells[2]:>24s}")
     if out:
-        Path(out).write_text(json.dumps({"startup_s": startup, "capacity": cap, "cpu_share": cpu_share,
-                                         "consistency": cons,
-                                         "concurrency": concurrency, "duration_s": duration_s}, indent=2))
+        atomic_write_json(out, {"startup_s": startup, "capacity": cap, "cpu_share": cpu_share, "consistency": cons,
+                                "concurrency": concurrency, "duration_s": duration_s}, indent=2)
     return lines

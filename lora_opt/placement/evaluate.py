@@ -156,7 +156,11 @@ class Criterion:
 
     def check(self, r, T: float, grace_s: float = GRACE_S) -> dict:
         """served_fraction, ttft_attainment, itl_attainment and ok for one GPU's result (a twin
-        ``Result`` or its dict with ``samples``)."""
+        ``Result`` or its dict with ``samples``).  A grace of the whole window ``T`` or more is
+        refused: no request would be due, and every GPU would pass unjudged."""
+        if not grace_s < T:
+            raise ScenarioError(f"starvation verdict: the grace {grace_s:g} s must be below the judged window "
+                                f"{T:g} s (otherwise no request is due and every GPU passes)")
         if not isinstance(r, dict):
             r = {**r.to_dict(), "samples": r.samples}
         out = {"served_fraction": served_fraction(r, T, grace_s), "ttft_attainment": None, "itl_attainment": None}
@@ -213,9 +217,10 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
         raise ScenarioError("placement: no GPUs to evaluate")
     T = duration_s or wl.evaluation.duration_s
     check_finite(grace_s, "evaluate --grace-s", 0.0)
-    if grace_s > T:
-        raise ScenarioError(f"evaluate --grace-s: {grace_s:g} s exceeds the replayed duration {T:g} s "
-                            "(no request would be due and every GPU would pass)")
+    if grace_s >= T:   # a grace of the whole window leaves no request due: every GPU would pass unjudged
+        raise ScenarioError(f"evaluate --grace-s: {grace_s:g} s must be below the replayed duration "
+                            f"(--duration-s) {T:g} s (otherwise no request is due and every GPU passes); "
+                            "0 = benchmark_serving's definition")
     problems = [q for q in placement_problems(p, None, include_startup=False) if "does not exist" in q
                 or "unknown adapter" in q or "weights" in q]
     if problems:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 from lora_opt.placement.plan import Placement
 from twin.errors import ScenarioError
@@ -55,22 +56,49 @@ def router_table(p: Placement, *, host: str = "127.0.0.1", base_port: int = 8000
             for aid, rs in p.routes.items()}
 
 
+#: argparse's rule (``_negative_number_matcher``): with no option that looks like a negative number,
+#: as in vLLM's parser, such an argument is a value; any other argument starting with '-' is an option
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def _is_option(arg: str) -> bool:
+    return arg.startswith("-") and arg != "-" and not _NEGATIVE_NUMBER.match(arg)
+
+
+def lora_module_problems(value: str) -> list[str]:
+    """Why vLLM 0.33 would not read ``value`` of ``--lora-modules`` as the ``name=path`` lora-opt
+    meant: its ``LoRAParserAction`` takes a value holding '=' and no ',' as ``name=path``, split on
+    '=' (a second '=' is an error), and anything else as JSON."""
+    if "=" not in value or "," in value:
+        return [f"--lora-modules {value!r:.80}: not name=path ({'a' if ',' in value else 'no'} ',' "
+                f"{'and' if ',' in value else 'or no'} '='): vLLM would read it as JSON"]
+    name, _, path = value.partition("=")
+    problems = []
+    if "=" in path:
+        problems.append(f"--lora-modules {value!r:.80}: more than one '=' (vLLM splits name=path on '=')")
+    if not name or not path:
+        problems.append(f"--lora-modules {value!r:.80}: empty name or path")
+    return problems
+
+
 def validate_serve_args(argv: list[str]) -> list[str]:
-    """Problems with a ``vllm serve`` argv against vLLM 0.33.0's option table (empty = valid)."""
+    """Problems with a ``vllm serve`` argv against vLLM 0.33.0's option table (empty = valid): every
+    option is in the table, flags take no value, values have the option's type and choices, and
+    each ``--lora-modules`` value reads as the intended ``name=path``."""
     opts = serve_options()
-    if argv[:2] != ["vllm", "serve"] or len(argv) < 3 or argv[2].startswith("-"):
+    if argv[:2] != ["vllm", "serve"] or len(argv) < 3 or _is_option(argv[2]):
         return ["expected: vllm serve MODEL [options]"]
     problems, i = [], 3
     while i < len(argv):
         name = argv[i]
         spec = opts.get(name)
         if spec is None:
-            problems.append(f"unknown option {name}")
+            problems.append(f"unknown option {name}" if _is_option(name) else f"stray value {name!r:.80}")
             i += 1
             continue
         values = []
         i += 1
-        while i < len(argv) and not argv[i].startswith("--"):
+        while i < len(argv) and not _is_option(argv[i]):
             values.append(argv[i])
             i += 1
         if spec["flag"]:
@@ -80,6 +108,8 @@ def validate_serve_args(argv: list[str]) -> list[str]:
         if spec["nargs"] == "+":
             if not values:
                 problems.append(f"{name} needs at least one value")
+            if name == "--lora-modules":
+                problems += [q for v in values for q in lora_module_problems(v)]
             continue
         if len(values) != 1:
             problems.append(f"{name} takes one value, got {values}")

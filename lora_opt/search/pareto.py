@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.io import atomic_write_json, atomic_write_text
+from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.placement.evaluate import Criterion, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
@@ -154,7 +154,7 @@ def plot_fronts(result: dict, path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.set_title("Pareto fronts (lines) and every point (dots)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_figure(path, fig, dpi=120)
     plt.close(fig)
     return path
 

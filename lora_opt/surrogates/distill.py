@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from lora_opt.io import atomic_write_json
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, smape
 from lora_opt.surrogates.oracle import Oracle, as_feature_matrix
@@ -258,9 +259,7 @@ class DistilledSurrogate(Oracle):
 
     def save(self, path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        return atomic_write_json(path, self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path) -> "DistilledSurrogate":

@@ -19,6 +19,11 @@ Layout of a surrogate directory (``lora-opt train`` writes both)::
                        "threshold": ..., "feature_names": [...], "metadata": {...}}
     surrogate.skops   skops zip of {"regressor": fitted, "classifier": fitted}
 
+Writing is crash-safe: the new model goes to ``surrogate.skops.pending``, the manifest (the commit
+point) replaces the old one, then the model is renamed into place; a crash before the manifest
+leaves the previous surrogate loading, one after it leaves the new one loading from the pending
+file (``read`` looks there when the hash does not match, with the same checks).
+
 Loading, in this order, each step refusing with ``InputError`` (naming the file and what is
 expected) before the next one runs:
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import zipfile
 from pathlib import Path
@@ -45,10 +51,13 @@ from typing import Any
 import numpy as np
 
 from lora_opt.errors import InputError
+from lora_opt.io import atomic_write_bytes, atomic_write_text
 
 FORMAT = "lora-opt-surrogate/2"
 MANIFEST_NAME = "surrogate.json"
 MODEL_NAME = "surrogate.skops"
+#: where ``write`` puts a new model until the manifest naming it is in place (see ``write``)
+PENDING_NAME = MODEL_NAME + ".pending"
 #: the file name older lora-opt versions pickled the surrogate to; refused, never unpickled
 LEGACY_PICKLE_NAME = "surrogate.joblib"
 PICKLE_SUFFIXES = (".joblib", ".pkl", ".pickle")
@@ -123,11 +132,14 @@ def write(directory, models: dict, fields: dict) -> Path:
         raise ValueError(f"surrogate models hold types outside TRUSTED_TYPES: {', '.join(extra)}; review "
                          "them and add them to lora_opt.surrogates.model_files.TRUSTED_TYPES")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MODEL_NAME).write_bytes(blob)
     manifest = {"format": FORMAT, "model_file": MODEL_NAME, "sha256": hashlib.sha256(blob).hexdigest(), **fields}
-    path = directory / MANIFEST_NAME
-    path.write_text(json.dumps(manifest, indent=1, default=_json_default))
+    text = json.dumps(manifest, indent=1, default=_json_default)
+    # Two files, one commit point: the new model goes to PENDING_NAME, the manifest naming its hash
+    # replaces the old one, then the model takes its place.  A crash before the manifest leaves the
+    # previous pair; after it, ``read`` finds the model under PENDING_NAME by the manifest's hash.
+    atomic_write_bytes(directory / PENDING_NAME, blob)
+    path = atomic_write_text(directory / MANIFEST_NAME, text)
+    os.replace(directory / PENDING_NAME, directory / MODEL_NAME)
     return path
 
 
@@ -170,11 +182,20 @@ def read(path) -> tuple[dict, dict]:
     mpath = manifest_path(path)
     manifest = read_manifest(mpath)
     model = mpath.parent / MODEL_NAME
+    blob, digest, unreadable = b"", "", None
     try:
         blob = model.read_bytes()
+        digest = hashlib.sha256(blob).hexdigest()
     except OSError as exc:
-        raise InputError(f"{model}: cannot read the surrogate's model file ({exc})") from None
-    digest = hashlib.sha256(blob).hexdigest()
+        unreadable = exc
+    pending = mpath.parent / PENDING_NAME
+    if digest != manifest["sha256"] and pending.is_file():
+        # ``write`` stopped between the manifest and the final rename: the new model is still pending
+        pending_blob = pending.read_bytes()
+        if hashlib.sha256(pending_blob).hexdigest() == manifest["sha256"]:
+            model, blob, digest, unreadable = pending, pending_blob, manifest["sha256"], None
+    if unreadable is not None:
+        raise InputError(f"{model}: cannot read the surrogate's model file ({unreadable})") from None
     if digest != manifest["sha256"]:
         raise InputError(f"{model}: sha256 {digest} does not match {manifest['sha256']} in {mpath}: the file "
                          "changed after it was written; refusing to load it (train the surrogate again)")

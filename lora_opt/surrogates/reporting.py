@@ -2,7 +2,6 @@
 ``surrogate``) with its parameters, metrics, plots and the two registered models."""
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
+from lora_opt.io import atomic_write_figure, atomic_write_json
 from lora_opt.surrogates import model_files, registry
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, smape
@@ -21,7 +21,7 @@ REGISTERED_NAMES = {"regressor": "lora-opt-throughput", "classifier": "lora-opt-
 
 # ---- files ------------------------------------------------------------------------------------------
 def write_json(path, obj) -> None:
-    Path(path).write_text(json.dumps(_jsonable(obj), indent=2, allow_nan=True))
+    atomic_write_json(path, _jsonable(obj), indent=2, allow_nan=True)
 
 
 def _jsonable(v):
@@ -48,7 +48,7 @@ def plot_pred_vs_real(pred, real, starving, path) -> Path:
     ax.set(xscale="log", yscale="log", xlim=lim, ylim=lim, xlabel="twin throughput (tok/s)",
            ylabel="predicted throughput (tok/s)", title=f"held-out, SMAPE {smape(pred, real):.1f} %")
     ax.legend()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    atomic_write_figure(path, fig, dpi=100, bbox_inches="tight")
     return Path(path)
 
 
@@ -66,7 +66,7 @@ def plot_confusion(starving, feasible_pred, threshold, path) -> Path:
             ax.text(b, a, str(m[a, b]), ha="center", va="center", fontsize=14)
     ax.set(xticks=[0, 1], yticks=[0, 1], xticklabels=["feasible", "starving"], yticklabels=["feasible", "starving"],
            xlabel="predicted", ylabel="twin", title=f"held-out, p_starving < {threshold:.3g} = feasible")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    atomic_write_figure(path, fig, dpi=100, bbox_inches="tight")
     return Path(path)
 
 

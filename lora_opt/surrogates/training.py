@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lora_opt.io import atomic_write_text
 from lora_opt.surrogates import distill, registry
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, measure_latency, smape
@@ -354,7 +355,7 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     bar.close()
     dist.metadata.update({"dataset_hash": res["data"].dataset_hash})
     dist.save(out_dir / ORACLE_FILES["distilled"])
-    (out_dir / "rules.txt").write_text(dist.rules())
+    atomic_write_text(out_dir / "rules.txt", dist.rules())
     metrics = res["metrics"]
     metrics["distilled"] = report
     metrics["dataset"]["dir"] = ", ".join(str(Path(d).resolve()) for d in dirs)

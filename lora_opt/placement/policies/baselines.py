@@ -154,7 +154,12 @@ class LoRAServe(PlacementPolicy):
         cap = {int(r): single_adapter_capacity(wl.profile, int(r), e.max_num_batched_tokens, e.max_num_seqs,
                                                e.gpu_memory_utilization, e.max_model_len)
                for r in sorted(set(ranks.tolist()))}
-        util = np.array([t / cap[int(r)] for t, r in zip(tps, ranks)])
+        # a rank whose lone adapter gets no throughput (the engine does not start) cannot be served
+        dead = [i for i, r in enumerate(ranks) if not cap[int(r)] > 0]
+        cap = {r: c for r, c in cap.items() if c > 0}
+        if not cap:
+            return Assignment([], unplaceable=dead)
+        util = np.array([t / cap[int(r)] if int(r) in cap else 0.0 for t, r in zip(tps, ranks)])
         d = {r: float(util[ranks == r].sum()) for r in cap}
         total = sum(d.values())
         S = max(gpus, math.ceil(total - 1e-9)) if total > 0 else gpus
@@ -227,7 +232,7 @@ class LoRAServe(PlacementPolicy):
             for g in out:
                 if g.adapters:
                     g.max_loras = startable([wl.adapters[i].rank for i, _ in g.adapters], len(g.adapters))
-        return Assignment(out, notes=notes)
+        return Assignment(out, unplaceable=dead, notes=notes)
 
 
 class LoRAServeCapped(LoRAServe):

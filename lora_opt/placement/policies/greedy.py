@@ -309,6 +309,9 @@ class GreedyPlus(_GreedyBase):
             raise ScenarioError(f"margin: must be in [0, 1], got {margin}")
         if verify_s < 0:
             raise ScenarioError(f"verify_s: must be >= 0 (0 = no twin verification), got {verify_s}")
+        if 0 < verify_s <= GRACE_S:       # the verdict ignores the last GRACE_S s: nothing would be judged
+            raise ScenarioError(f"verify_s: {verify_s:g} s must be above the starvation verdict's grace "
+                                f"{GRACE_S:g} s (or 0 = no twin verification)")
         if oracle is not None and oracle not in ("full", "distilled"):
             raise ScenarioError(f"oracle: {oracle!r} not allowed; allowed values: full, distilled")
         if ttft_p99_s is not None and ttft_p99_s <= 0:
