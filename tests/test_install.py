@@ -51,7 +51,13 @@ def _canonical(name: str) -> str:
 def _requirements(extra: str | None = None) -> list[Requirement]:
     project = PYPROJECT["project"]
     texts = project["optional-dependencies"][extra] if extra else project["dependencies"]
-    return [Requirement(t) for t in texts]
+    out = []
+    for req in map(Requirement, texts):
+        if _canonical(req.name) == "lora-opt":          # an extra that includes another (dev -> ui)
+            out += [r for e in sorted(req.extras) for r in _requirements(e)]
+        else:
+            out.append(req)
+    return out
 
 
 def _pins(path: Path) -> dict[str, Version]:
