@@ -37,7 +37,7 @@ exit status:
   {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); what was finished is kept
 
 environment: MLFLOW_TRACKING_URI (where runs are recorded; --tracking-uri wins), OPTUNA_STORAGE
-(search, pareto), RAY_ADDRESS (an existing Ray cluster); MLflow's, Ray's and Optuna's telemetry
+(search's default --storage; pareto keeps a sweep's studies in <out>/studies.db), RAY_ADDRESS (an existing Ray cluster); MLflow's, Ray's and Optuna's telemetry
 is off unless the user's own environment variables turn it on."""
 
 #: the packages whose loggers are ours: INFO shown by default
