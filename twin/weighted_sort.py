@@ -3,7 +3,7 @@
 The ITL sample of a simulated hour is one (duration, count) pair per step -- 10^5..10^6 pairs --
 and sorting them by value was the largest cost of a light-load run after the engine loop.  An LSD
 radix sort over the IEEE bits (non-negative finite doubles order as their bits do) sorts them in
-six linear passes.  It orders ties differently from ``numpy.argsort`` (whose tie order is the
+a few linear passes.  It orders ties differently from ``numpy.argsort`` (whose tie order is the
 implementation's: quicksort, SIMD-dispatched by CPU), so its output is used only when every run
 of equal values carries equal counts: then the sorted (value, count) sequence is unique and every
 statistic computed from it is the argsort's, bit for bit.  Otherwise (and for negative, -0.0 or
@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-DIGIT_BITS = 11
-PASSES = 6                      # 6 x 11 bits cover the 63 bits of a non-negative double
+MAX_DIGIT_BITS = 14           # 16k buckets: counters and write heads stay in L2
 #: below this many pairs argsort is as fast and the kernel's call overhead is not worth it
 MIN_PAIRS = 2048
 
@@ -22,33 +21,45 @@ MIN_PAIRS = 2048
 @njit(cache=True)
 def _radix_sort_pairs(keys, counts):
     """(sorted keys, their counts, ok): ``keys`` are the int64 views of the values; ok False when
-    a key is negative (sign bit) or non-finite, or equal keys carry different counts."""
+    a key is negative (sign bit) or non-finite, or equal keys carry different counts.  Sorts
+    ``key - min key`` over just the bits that range needs, in as few passes as digits of at most
+    MAX_DIGIT_BITS allow."""
     n = keys.shape[0]
-    nb = 1 << DIGIT_BITS
-    mask = nb - 1
-    hist = np.zeros((PASSES, nb), np.int64)
+    lo, hi = keys[0], keys[0]
     for i in range(n):
         k = keys[i]
         if k < 0 or (k >> 52) == 0x7FF:
             return keys[:0], counts[:0], False
-        for p in range(PASSES):
-            hist[p, (k >> (p * DIGIT_BITS)) & mask] += 1
+        lo = min(lo, k)
+        hi = max(hi, k)
+    bits = 0
+    while (hi - lo) >> bits:
+        bits += 1
+    passes = max(1, (bits + MAX_DIGIT_BITS - 1) // MAX_DIGIT_BITS)
+    digit = max(1, (bits + passes - 1) // passes)
+    nb = 1 << digit
+    mask = nb - 1
+    hist = np.zeros((passes, nb), np.int64)
+    for i in range(n):
+        k = keys[i] - lo
+        for p in range(passes):
+            hist[p, (k >> (p * digit)) & mask] += 1
     src_k, src_c = keys, counts
     dst_k, dst_c = np.empty_like(keys), np.empty_like(counts)
+    offset = np.empty(nb, np.int64)
     copied = False
-    for p in range(PASSES):
+    for p in range(passes):
         h = hist[p]
         if h.max() == n:                 # every key has the same digit here: nothing to do
             continue
-        offset = np.empty(nb, np.int64)
         acc = 0
         for b in range(nb):
             offset[b] = acc
             acc += h[b]
-        shift = p * DIGIT_BITS
+        shift = p * digit
         for i in range(n):
             k = src_k[i]
-            b = (k >> shift) & mask
+            b = ((k - lo) >> shift) & mask
             j = offset[b]
             dst_k[j] = k
             dst_c[j] = src_c[i]
