@@ -88,6 +88,8 @@ def _plain_weighted_stats(values, counts):
 
 
 def test_weighted_stats_equals_plain_definition_bit_for_bit():
+    """Cases for every path of ``twin.weighted_sort.sorted_pairs``: radix with unique runs, runs of
+    equal values with different counts (order-free sum, or argsort), argsort for bad input."""
     from twin.simulate import weighted_stats
     rng = np.random.default_rng(0)
     cases = []
@@ -99,6 +101,12 @@ def test_weighted_stats_equals_plain_definition_bit_for_bit():
     cases.append((np.array([0.0, -0.0, 1.0, -2.0, 3.0, np.inf]), np.array([1, 2, 3, 4, 5, 6])))
     cases.append((np.array([4.0, np.nan, 1.0]), np.array([1, 1, 1])))
     cases.append((np.full(300, 7.25), np.arange(1, 301)))
+    exact = np.arange(5000, dtype=np.float64)                          # integer sums: any order is exact
+    exact[10] = exact[11] = 11.0
+    cases.append((exact, np.where(np.arange(5000) == 10, 2, 3)))
+    close = rng.uniform(10, 20, 8000)                                  # a few ties with different counts
+    close[[5, 900, 4000]] = close[[6, 901, 4001]]
+    cases.append((close, rng.integers(1, 3000, 8000)))
     cases.append((np.array([2.5]), np.array([3])))
     cases.append((rng.uniform(1, 2, 100), np.zeros(100, np.int64) + (np.arange(100) == 50)))
     for values, counts in cases:

@@ -45,7 +45,7 @@ def weighted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float | 
     total = int(counts.sum())
     if total == 0:
         return {"mean": None, "median": None, "p99": None}
-    v, c = sorted_pairs(values, counts)      # = values[order], counts[order], order = argsort(values)
+    v, c, vc_sum = sorted_pairs(values, counts)      # values[order], counts[order], (v * c).sum()
     cum = np.cumsum(c)
 
     def at(k: int) -> float:             # k-th smallest (0-based) of the expanded sample
@@ -56,7 +56,7 @@ def weighted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float | 
         lo, hi = math.floor(pos), math.ceil(pos)
         return at(lo) + (at(hi) - at(lo)) * (pos - lo)
 
-    return {"mean": float((v * c).sum() / total), "median": pct(50), "p99": pct(99)}
+    return {"mean": float(vc_sum / total), "median": pct(50), "p99": pct(99)}
 
 
 @dataclass
