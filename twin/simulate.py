@@ -21,6 +21,7 @@ from twin.errors import ScenarioError
 from twin.engine_state import Config, EarlyStop, EngineState, Latency, make_state
 from twin.profile import Profile
 from twin.scenario import Scenario
+from twin.weighted_sort import sorted_pairs
 from twin.workload import Requests, generate_requests
 
 RESULT_KEYS = (
@@ -44,8 +45,7 @@ def weighted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float | 
     total = int(counts.sum())
     if total == 0:
         return {"mean": None, "median": None, "p99": None}
-    order = np.argsort(values)
-    v, c = values[order], counts[order]
+    v, c, vc_sum = sorted_pairs(values, counts)      # values[order], counts[order], (v * c).sum()
     cum = np.cumsum(c)
 
     def at(k: int) -> float:             # k-th smallest (0-based) of the expanded sample
@@ -56,7 +56,7 @@ def weighted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float | 
         lo, hi = math.floor(pos), math.ceil(pos)
         return at(lo) + (at(hi) - at(lo)) * (pos - lo)
 
-    return {"mean": float((v * c).sum() / total), "median": pct(50), "p99": pct(99)}
+    return {"mean": float(vc_sum / total), "median": pct(50), "p99": pct(99)}
 
 
 @dataclass
