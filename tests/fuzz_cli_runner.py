@@ -56,8 +56,9 @@ def warm(surrogate: bool) -> None:
         out = os.path.join(d, "o")
         assert _quiet_main(["place", "--workload", wl, "--gpus", "2", "--policy", policy, "--verify-s", "90",
                             "--out", out]) == 0
+        # 3: evaluated, and the placement starves in this short window (the warm-up only loads things)
         assert _quiet_main(["evaluate", out, "--workers", "1", "--duration-s", "30", "--grace-s", "10",
-                            "--json"]) == 0
+                            "--json", "--no-track"]) in (0, 3)
 
 
 def run_child(argv: list[str], mem_bytes: int, out_path: str, err_path: str) -> None:
