@@ -1,0 +1,16 @@
+"""The registry of published results, in the order the Results section lists them."""
+from __future__ import annotations
+
+from experiments.reproduce import p2_table1_twin_smape
+
+RESULTS = [
+    p2_table1_twin_smape,
+]
+
+
+def by_name(name: str):
+    """The result module called ``name``; KeyError naming the known ones otherwise."""
+    for m in RESULTS:
+        if m.NAME == name:
+            return m
+    raise KeyError(f"--only: unknown result {name!r}; known: {', '.join(m.NAME for m in RESULTS)}")
