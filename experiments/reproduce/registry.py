@@ -1,12 +1,14 @@
 """The registry of published results, in the order the Results section lists them."""
 from __future__ import annotations
 
-from experiments.reproduce import p1_fig2_memory, p1_fig3_compute, p1_fig4_loading, p2_fig11_azure, p2_table1_twin_smape, p2_tables45_surrogates
+from experiments.reproduce import (p1_fig2_memory, p1_fig3_compute, p1_fig4_loading, p1_fig5_slora, p2_fig11_azure,
+                                  p2_table1_twin_smape, p2_tables45_surrogates)
 
 RESULTS = [
     p1_fig2_memory,
     p1_fig3_compute,
     p1_fig4_loading,
+    p1_fig5_slora,
     p2_table1_twin_smape,
     p2_tables45_surrogates,
     p2_fig11_azure,
