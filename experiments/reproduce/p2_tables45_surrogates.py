@@ -55,7 +55,7 @@ def real_table() -> pd.DataFrame:
         ranks = [a["rank"] for a in sc["adapters"] for _ in range(a["count"])]
         rates = [a["rate"] for a in sc["adapters"] for _ in range(a["count"])]
         feats = gpu_features(ranks, rates, sc["engine"]["max_loras"])
-        rows.append({**feats, "model": f["model"], "real_throughput": f["real_throughput"],
+        rows.append({**feats, "source_dir": f["source_dir"], "model": f["model"], "real_throughput": f["real_throughput"],
                      "starving": bool(f["real_throughput"] < RHO * f["real_incoming"])})
     return pd.DataFrame(rows)
 
