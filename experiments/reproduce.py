@@ -13,6 +13,7 @@ experiments/results_section.py`` then rewrites the README's Results section from
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,10 +31,13 @@ TAG = "reproduce."
 ROW_TEXT = ("title", "paper_value", "ours", "real", "verdict", "why")
 
 
-def _log_row(row: Row, module, quick: bool, wall_s: float) -> None:
+def _log_row(row: Row, module, quick: bool, wall_s: float, load_before: float) -> None:
     import mlflow  # heavy optional dependency: only when tracking
 
-    params = {"result": row.name, "paper": module.PAPER, "quick": quick, **row.params}
+    # timings in a row are only as good as the machine was quiet: record how busy it was
+    params = {"result": row.name, "paper": module.PAPER, "quick": quick, "cpus": os.cpu_count(),
+              "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+              **row.params}
     mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
     log_flat_metrics("", dict(row.metrics, wall_s=wall_s))
     tags = {TAG + k: str(getattr(row, k))[:4000] for k in ROW_TEXT}
@@ -51,9 +55,9 @@ def run_result(module, out_root: Path, quick: bool, seed: int = 0, tracking_uri:
     if not track:
         return _compute(module, ctx)
     with tracked_run(EXPERIMENT, run_name=module.NAME, tracking_uri=tracking_uri):
-        t = time.perf_counter()
+        t, load = time.perf_counter(), os.getloadavg()[0]
         row = _compute(module, ctx)
-        _log_row(row, module, quick, time.perf_counter() - t)
+        _log_row(row, module, quick, time.perf_counter() - t, load)
         log_dir(out)
     return row
 
