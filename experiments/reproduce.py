@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import traceback
 import time
 from pathlib import Path
 
@@ -39,7 +41,9 @@ def _log_row(row: Row, module, quick: bool, wall_s: float, load_before: float) -
               "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
               **row.params}
     mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-    log_flat_metrics("", dict(row.metrics, wall_s=wall_s))
+    # MLflow allows only some characters in metric names (e.g. not the "*" of "Tree**")
+    metrics = {re.sub(r"[^A-Za-z0-9_\-. :/]", "_", k): v for k, v in row.metrics.items()}
+    log_flat_metrics("", dict(metrics, wall_s=wall_s))
     tags = {TAG + k: str(getattr(row, k))[:4000] for k in ROW_TEXT}
     tags.update({TAG + "name": row.name, TAG + "paper": module.PAPER, TAG + "quick": str(quick).lower(),
                  TAG + "order": str(RESULTS.index(module))})
@@ -93,14 +97,19 @@ def main(argv=None) -> int:
         return 2
     from tqdm import tqdm
 
-    rows, t0 = [], time.perf_counter()
+    rows, failed, t0 = [], [], time.perf_counter()
     for m in tqdm(modules, desc="reproduce", unit="result"):
         tqdm.write(f"-- {m.NAME}: {m.TITLE}")
-        row = run_result(m, Path(args.out), args.quick, args.seed, args.tracking_uri, not args.no_track)
+        try:
+            row = run_result(m, Path(args.out), args.quick, args.seed, args.tracking_uri, not args.no_track)
+        except Exception:  # one broken result must not hide the others: report it, go on, exit 1
+            failed.append(m.NAME)
+            tqdm.write(f"   FAILED:\n{traceback.format_exc()}")
+            continue
         rows.append(row)
         tqdm.write(f"   paper: {row.paper_value}\n   ours:  {row.ours}\n   {row.verdict}: {row.why}")
-    print(f"\n{len(rows)} result(s) in {time.perf_counter() - t0:.0f} s")
-    return 0
+    print(f"\n{len(rows)} result(s) in {time.perf_counter() - t0:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

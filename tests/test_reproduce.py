@@ -67,3 +67,20 @@ def test_one_result_tracked_then_results_section(tmp_path):
     assert readme.read_text() == text                      # regenerating changes nothing
     readme.write_text(text.replace(row["verdict"], "edited by hand", 1))
     assert results_section.main(["--readme", str(readme), "--tracking-uri", uri, "--check"]) == 1
+
+
+@pytest.mark.slow
+def test_quick_set_runs_and_fills_the_results_section(tmp_path):
+    """The whole quick set (``python experiments/reproduce.py --quick``, ~6-15 min on 2 cores) into a
+    temporary store, every row well-formed, then the generated section lists every result."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    assert reproduce_cli.main(["--quick", "--out", str(tmp_path / "results"), "--tracking-uri", uri]) == 0
+    quick = [m.NAME for m in RESULTS if m.QUICK]
+    for name in quick:
+        row = json.loads((tmp_path / "results" / name / "row.json").read_text())
+        assert row["verdict"] in VERDICTS and row["paper_value"] and row["ours"] and row["why"]
+    readme = tmp_path / "README.md"
+    readme.write_text("# X\n\n## Reliability\n")
+    assert results_section.main(["--readme", str(readme), "--tracking-uri", uri]) == 0
+    text = readme.read_text()
+    assert all(f"`{n}`" in text for n in quick)

@@ -20,7 +20,7 @@ from lora_opt.calibration.families import num
 from experiments.reproduce.curves import load_runs
 
 NAME = "p1_fig1_max_pack"
-TITLE = "First paper Fig. 1: throughput vs served adapters and where Max_pack lands, twin vs real"
+TITLE = "First paper Fig. 1 (the sweeps of second paper Fig. 1): throughput vs served adapters, Max_pack, twin vs real"
 PAPER = "first"
 QUICK = True
 

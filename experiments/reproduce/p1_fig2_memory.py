@@ -19,7 +19,7 @@ from lora_opt.calibration.model_table import MODEL_PROFILES
 from twin.profile import load_profile
 
 NAME = "p1_fig2_memory"
-TITLE = "First paper Fig. 2: memory overhead (KV cache, batch, throughput vs LoRA slots; OOM frontier)"
+TITLE = "First paper Fig. 2 / second paper Fig. 4: memory overhead (KV cache, batch, throughput vs LoRA slots; OOM frontier)"
 PAPER = "first"
 QUICK = True
 
