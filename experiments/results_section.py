@@ -52,6 +52,7 @@ def latest_rows(tracking_uri: str | None = None) -> list[dict]:
         if name and name not in latest and r.info.status == "FINISHED":
             latest[name] = {k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG)}
             latest[name]["run_id"] = r.info.run_id
+            latest[name]["wall_s"] = r.data.metrics.get("wall_s")
     return sorted(latest.values(), key=lambda t: (int(t.get("order", 1_000_000)), t["name"]))
 
 
@@ -65,6 +66,11 @@ def section_body(rows: list[dict]) -> str:
     if not rows:
         lines += ["No `reproduce` run found: run `python experiments/reproduce.py --quick` first.", ""]
     else:
+        walls = {q: [t["wall_s"] for t in rows if t.get("quick") == q and t.get("wall_s") is not None]
+                 for q in ("true", "false")}
+        lines += [f"These rows: {len(walls['true'])} quick runs ({sum(walls['true']):.0f} s of computing) and "
+                  f"{len(walls['false'])} full-size runs ({sum(walls['false']):.0f} s), as the runs recorded them "
+                  f"(each run also records the machine's load average).", ""]
         lines += ["| result | paper | ours | real measurement | verdict |", "|---|---|---|---|---|"]
         for t in rows:
             title = f"**{_cell(t.get('title', t['name']))}** (`{t['name']}`" + (
