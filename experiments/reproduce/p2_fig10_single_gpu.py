@@ -88,6 +88,6 @@ def run(ctx: Context) -> Row:
         why=(f"against the paper-configured baselines yes (at low rates ours serves {ours_low} adapters, they "
              f"{base_low}: A_max = N does not start under the default max_model_len); but the operator-capped "
              f"baselines serve {capped_low} at the same throughput (ours stops where the surrogate's training range "
-             f"ends); at high rates ours stops before starving while {', '.join(starved_high) or 'none'} starve"),
+             f"ends); at high rates greedy-plus stops before starving while {', '.join(starved_high) or 'none'} starve"),
         metrics=metrics, params={"duration_s": duration, "profile": "llama-3.1-8b-h100-64gb"},
         figure=figure, table_md=table)
