@@ -111,14 +111,23 @@ def in_session(pid):
 def members():
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
+        if not entry.isdigit() or int(entry) in (me, pid):   # never the driver itself: it may still be
+            continue                                          # finishing (its pipe closes at interpreter teardown)
         try:
             if os.stat("/proc/" + entry).st_uid == uid and in_session(entry):
                 out.append(int(entry))
         except OSError:
             pass
     return out
+def driver_alive():
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+t_end = time.time() + 30.0              # the driver's exit first (its pipe closed while it tears down)
+while driver_alive() and time.time() < t_end:
+    time.sleep(0.1)
 deadline = time.time() + wait_s
 while members() and time.time() < deadline:
     time.sleep(0.2)
