@@ -11,6 +11,7 @@ connection is never refused by the emulator.
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
 from lora_opt.emulate.engine import BASE_ADAPTER, OnlineEngine
@@ -105,6 +106,30 @@ async def _watch_disconnect(receive, req) -> None:
             return
 
 
+#: the header a client on this host may send: its send instant, ``time.perf_counter()`` seconds
+SENT_HEADER = "x-lora-opt-sent"
+#: wall seconds a declared send instant may lie before the handler runs (beyond: another clock)
+SENT_MAX_AGE_S = 2.0
+
+
+def _sent_wall(request) -> float | None:
+    """The client's declared send instant when it is on this host (``perf_counter`` is the system's
+    monotonic clock, shared by processes on one machine) and plausible, else None.  Why: the
+    emulator's own intake (accept, parse, the loop's other work) runs in wall time on a shared core
+    and, multiplied by ``--speed``, becomes simulated time before the engine sees the request --
+    time a GPU server's front end does not spend (the profile's front-end delay already models
+    vLLM's) -- and under load it bunches arrivals, which a queue turns into extra TTFT."""
+    raw = request.headers.get(SENT_HEADER)
+    if raw is None or request.client is None or request.client.host not in ("127.0.0.1", "::1"):
+        return None
+    try:
+        sent = float(raw)
+    except ValueError:
+        return None
+    age = time.perf_counter() - sent
+    return sent if 0.0 <= age <= SENT_MAX_AGE_S else None
+
+
 async def _generate(inst: Instance, request, chat: bool):
     try:
         try:
@@ -122,7 +147,7 @@ async def _generate(inst: Instance, request, chat: bool):
     else:
         out_len = max(1, p.min_tokens, eng.draw_output_len(p.max_tokens))
     finish_reason = "length" if out_len == p.max_tokens else "stop"
-    req = eng.submit(p.prompt_tokens, out_len, adapter)
+    req = eng.submit(p.prompt_tokens, out_len, adapter, _sent_wall(request))
     req.finish_reason = finish_reason
     req.stream = p.stream
     fmt = Formatter(p, p.model or inst.model)
@@ -183,6 +208,8 @@ def build_app(inst: Instance):
     @app.get("/emulator/stats")
     async def stats(reset: int = 0):
         out = inst.engine.report()
+        lag = inst.engine.stats.lag_wall_s
+        out["lag_ms"]["mean"] = 1000.0 * sum(lag) / len(lag) if lag else 0.0
         if reset:
             inst.engine.reset_lag()
         return out
