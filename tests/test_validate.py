@@ -73,9 +73,10 @@ def _fleet(placement_dir, base, speed: float = 10):
 #: (+4..40 %), at 2.5 50-70 ms (+1.7 %).  One process per GPU was no better (more processes on
 #: the same 2 cores); nice -10 neither (see docs/emulate.md, "Timing").
 ROUND_TRIP_SPEED = 2.5
-#: the share of the twin's mean TTFT that the emulated server's mean step lag, or the client's mean
-#: send lateness (simulated ms), may take before the run measures the machine rather than
-#: validate: half the 5 % tolerance
+#: the share of the twin's mean TTFT that the emulated servers' mean first-token lateness (a first
+#: token leaving after its due time: the machine's delay, which a client's TTFT takes whole) or the
+#: client's mean send lateness (simulated ms) may take before the run measures the machine rather
+#: than validate: half the 5 % tolerance
 OVERLOAD_SHARE = 0.025
 
 
@@ -95,14 +96,14 @@ def _round_trip(placement_dir, out, duration_s: float, *extra):
     ratios = (real["throughput_tok_s"] / twin["throughput_tok_s"], real["ttft_ms"]["mean"] / twin["ttft_ms"]["mean"],
               real["itl_ms"]["mean"] / twin["itl_ms"]["mean"])
     info = real["info"]
-    assert set(info["emulator_lag_wall_ms"]) == {"0", "1"}       # validate read the emulators' own lag
-    lag_sim = max(v["mean"] for v in info["emulator_lag_wall_ms"].values()) * ROUND_TRIP_SPEED
+    assert set(info["emulator_late_wall_ms"]) == {"0", "1"}      # validate read the emulators' own lateness
+    lag_sim = max(v["first_token_late_ms"]["mean"] for v in info["emulator_late_wall_ms"].values()) * ROUND_TRIP_SPEED
     late_sim = info["client_send_late_wall_ms"]["mean"] * ROUND_TRIP_SPEED
     budget = OVERLOAD_SHARE * twin["ttft_ms"]["mean"]
     line = (f"real {real['throughput_tok_s']:.0f} tok/s, TTFT {real['ttft_ms']['mean']:.0f} ms, ITL "
             f"{real['itl_ms']['mean']:.2f} ms; twin {twin['throughput_tok_s']:.0f}, {twin['ttft_ms']['mean']:.0f}, "
-            f"{twin['itl_ms']['mean']:.2f}; ratios {', '.join(f'{x:.4f}' for x in ratios)}; emulator step lag mean "
-            f"{lag_sim:.0f} simulated ms, client send lateness mean {late_sim:.0f} simulated ms (budget {budget:.0f})")
+            f"{twin['itl_ms']['mean']:.2f}; ratios {', '.join(f'{x:.4f}' for x in ratios)}; emulated first tokens late "
+            f"by {lag_sim:.0f} simulated ms (mean), client send lateness mean {late_sim:.0f} simulated ms (budget {budget:.0f})")
     print(line)
     overload = None
     if lag_sim > budget or late_sim > budget:
@@ -121,8 +122,8 @@ def _assert_round_trip(ratios, overload):
 def test_round_trip_short_window_matches_evaluate(placement_dir, tmp_path):
     """20 simulated seconds (~490 requests, 8 s of wall time): throughput within 2 %, mean TTFT and
     ITL within 5 % of evaluate on the same requests.  One run, no retry; skipped only when the
-    emulated server's own step lag or the client's send lateness (both measured) exceeds half the
-    TTFT tolerance -- the machine, not validate, would be in the numbers."""
+    emulated servers' first-token lateness or the client's send lateness (both measured, mean)
+    exceeds half the TTFT tolerance -- the machine, not validate, would be in the numbers."""
     real, twin, ratios, overload = _round_trip(placement_dir, tmp_path / "out", 20, "--no-track")
     assert real["requests"] > 400
     _assert_round_trip(ratios, overload)

@@ -12,7 +12,10 @@ connection is never refused by the emulator.
 import asyncio
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from lora_opt.emulate.engine import BASE_ADAPTER, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
@@ -37,6 +40,9 @@ class Instance:
     free_slots: list = field(default_factory=list)
     """Engine indices not yet taken by an adapter loaded at run time."""
     loaded: set = field(default_factory=set)
+    first_token_late: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    """Wall seconds each streamed first token left after its due time (the machine's delay, not
+    the schedule's: TTFT measured by a client includes it)."""
 
     def __post_init__(self):
         self.loaded = set(self.adapters)
@@ -84,8 +90,12 @@ def _stream_response(inst: Instance, req, fmt: Formatter, finish_reason: str):
                         body = fmt.chunks(sent, n, finish_reason if req.finished else None)
                         if req.finished:
                             body += fmt.tail(n)
+                        first = sent == 0
                         sent = n
                         await send({"type": "http.response.body", "body": body, "more_body": not req.finished})
+                        if first:           # how late the first token left against its due time (wall s)
+                            eng = inst.engine
+                            inst.first_token_late.append(time.perf_counter() - eng.t0 - req.first_t / eng.speed)
                     if req.finished:
                         return
             except OSError:
@@ -210,8 +220,13 @@ def build_app(inst: Instance):
         out = inst.engine.report()
         lag = inst.engine.stats.lag_wall_s
         out["lag_ms"]["mean"] = 1000.0 * sum(lag) / len(lag) if lag else 0.0
+        late = np.asarray(inst.first_token_late) * 1000.0
+        out["first_token_late_ms"] = {"mean": float(late.mean()) if late.size else 0.0,
+                                      "p50": float(np.percentile(late, 50)) if late.size else 0.0,
+                                      "p99": float(np.percentile(late, 99)) if late.size else 0.0, "count": int(late.size)}
         if reset:
             inst.engine.reset_lag()
+            inst.first_token_late.clear()
         return out
 
     @app.post("/v1/load_lora_adapter")

@@ -106,17 +106,21 @@ def endpoint_versions(urls: dict[int, str]) -> dict[int, str]:
 
 
 def emulator_lags(urls: dict[int, str]) -> dict[int, dict]:
-    """GPU -> an emulated endpoint's step lag behind its clock (``GET /emulator/stats``: wall ms,
-    mean and percentiles); endpoints without that route (vLLM) are left out."""
+    """GPU -> an emulated endpoint's own lateness (``GET /emulator/stats``, wall ms): ``lag_ms``
+    (its steps behind its clock) and ``first_token_late_ms`` (streamed first tokens after their due
+    time: what a client's TTFT takes from the machine); endpoints without that route (vLLM) are
+    left out."""
     async def one(url):
         status, body = await _get(url, "/emulator/stats")
         if status != 200:
             return None
         try:
-            lag = json.loads(body).get("lag_ms")
-        except (ValueError, AttributeError):
+            stats = json.loads(body)
+        except ValueError:
             return None
-        return lag if isinstance(lag, dict) else None
+        if not isinstance(stats, dict) or not isinstance(stats.get("lag_ms"), dict):
+            return None
+        return {"lag_ms": stats["lag_ms"], "first_token_late_ms": stats.get("first_token_late_ms", {})}
 
     async def all_():
         return await asyncio.gather(*(one(u) for u in urls.values()))
