@@ -162,6 +162,13 @@ def test_metrics_have_vllm_v1_names(server):
     assert _metric(text, "vllm:request_success_total", finished_reason="length") >= 1
     assert _metric(text, "vllm:generation_tokens_total") >= 4
     assert 'max_lora="4"' in text and 'model_name="meta-llama/Llama-3.1-8B-Instruct"' in text
+    # vLLM V1 labels vllm:cache_config_info with CacheConfig's fields (str() of each) and "engine"
+    # (vllm/v1/metrics/loggers.py log_metrics_info; vllm/config/cache.py CacheConfig.metrics_info)
+    info = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
+    for label in ('block_size="16"', 'gpu_memory_utilization="', 'num_gpu_blocks="', 'cache_dtype="auto"',
+                  'enable_prefix_caching="False"', 'engine="0"'):
+        assert label in info, label
+    assert info.endswith(" 1.0")
 
 
 # ---- bad requests --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """``lora-opt validate`` against emulated instances (``lora-opt emulate --placement`` on 127.0.0.1,
 free ports, stopped in a finally): the round trip with ``evaluate`` on the same requests, failures
-counted when an endpoint is down, the MLflow run.  Speeds are 10 so each run takes seconds."""
+counted when an endpoint is down, the MLflow run.  The round trip runs at speed 2.5 (see
+ROUND_TRIP_SPEED), the others at 10 so each run takes seconds."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from test_emulate import NOISY_MS, ROOT, Emulator, _client, _env, _free_port
+from test_emulate import ROOT, Emulator, _env, _free_port
 
 GPU = {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 4, "max_num_seqs": 8,
        "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.9, "max_model_len": 4096}
@@ -51,78 +52,108 @@ def placement_dir(tmp_path):
     return tmp_path
 
 
-def _validate(placement_dir, endpoints, out, *extra):
+def _validate(placement_dir, endpoints, out, *extra, speed: float = 10):
     return subprocess.run([sys.executable, "-m", "lora_opt.cli", "validate", str(placement_dir / "placement.json"),
                            "--endpoints", *endpoints, "--workload", str(placement_dir / "workload.yaml"),
-                           "--speed", "10", "--scrape-s", "5", "--workers", "1", "--out", str(out),
+                           "--speed", f"{speed:g}", "--scrape-s", "5", "--workers", "1", "--out", str(out),
                            "--gpu", "emulated-H100", *extra],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
 
 
-def _fleet(placement_dir, base):
+def _fleet(placement_dir, base, speed: float = 10):
     return Emulator(["--placement", str(placement_dir / "placement.json"), "--base-port", str(base),
-                     "--speed", "10"])
+                     "--speed", f"{speed:g}"])
 
 
-@pytest.mark.slow       # ~2 min (up to 3 real-time runs); validate end to end stays in the default run below
+#: the round trip's speed.  Measured on this 2-core machine under the other jobs (load 6-10,
+#: /proc/pressure/cpu ~95 %): the fleet and the client each need ~0.2 core per unit of speed/2.5
+#: (speed 5: ~0.4 core each), and a starved emulator delivers every token late by its step lag,
+#: which TTFT (first token - send) takes in whole while ITL (a difference) and throughput do not.
+#: At speed 10 the lag p99 was 130-2900 ms of wall time (TTFT +64..1000 %), at 5 35-340 ms
+#: (+4..40 %), at 2.5 50-70 ms (+1.7 %).  One process per GPU was no better (more processes on
+#: the same 2 cores); nice -10 neither (see docs/emulate.md, "Timing").
+ROUND_TRIP_SPEED = 2.5
+#: the share of the twin's mean TTFT that the emulated servers' mean first-token lateness (a first
+#: token leaving after its due time: the machine's delay, which a client's TTFT takes whole) or the
+#: client's mean send lateness (simulated ms) may take before the run measures the machine rather
+#: than validate: half the 5 % tolerance
+OVERLOAD_SHARE = 0.025
+
+
+def _round_trip(placement_dir, out, duration_s: float, *extra):
+    """Run validate against a fresh emulated fleet; (real, twin, ratios, overload line or None)."""
+    base = _two_ports()
+    emu = _fleet(placement_dir, base, ROUND_TRIP_SPEED)
+    try:
+        r = _validate(placement_dir, [f"http://127.0.0.1:{base}/v1", f"http://127.0.0.1:{base + 1}/v1"], out,
+                      "--duration", f"{duration_s:g}", *extra, speed=ROUND_TRIP_SPEED)
+    finally:
+        assert emu.stop() == 0
+    assert r.returncode == 0, r.stderr + r.stdout
+    real = json.loads((out / "real.json").read_text())
+    twin = json.loads((out / "twin.json").read_text())
+    assert real["requests"] == twin["requests"] and real["failed"] == 0
+    ratios = (real["throughput_tok_s"] / twin["throughput_tok_s"], real["ttft_ms"]["mean"] / twin["ttft_ms"]["mean"],
+              real["itl_ms"]["mean"] / twin["itl_ms"]["mean"])
+    info = real["info"]
+    assert set(info["emulator_late_wall_ms"]) == {"0", "1"}      # validate read the emulators' own lateness
+    lag_sim = max(v["first_token_late_ms"]["mean"] for v in info["emulator_late_wall_ms"].values()) * ROUND_TRIP_SPEED
+    late_sim = info["client_send_late_wall_ms"]["mean"] * ROUND_TRIP_SPEED
+    budget = OVERLOAD_SHARE * twin["ttft_ms"]["mean"]
+    line = (f"real {real['throughput_tok_s']:.0f} tok/s, TTFT {real['ttft_ms']['mean']:.0f} ms, ITL "
+            f"{real['itl_ms']['mean']:.2f} ms; twin {twin['throughput_tok_s']:.0f}, {twin['ttft_ms']['mean']:.0f}, "
+            f"{twin['itl_ms']['mean']:.2f}; ratios {', '.join(f'{x:.4f}' for x in ratios)}; emulated first tokens late "
+            f"by {lag_sim:.0f} simulated ms (mean), client send lateness mean {late_sim:.0f} simulated ms (budget {budget:.0f})")
+    print(line)
+    overload = None
+    if lag_sim > budget or late_sim > budget:
+        overload = f"the machine was overloaded (measured before comparing): {line}"
+    return real, twin, ratios, overload
+
+
+def _assert_round_trip(ratios, overload):
+    if overload:                                            # decided on the measured lateness alone
+        pytest.skip(overload)
+    assert abs(ratios[0] - 1) <= 0.02, f"throughput ratio {ratios[0]:.4f}"
+    assert abs(ratios[1] - 1) <= 0.05, f"mean TTFT ratio {ratios[1]:.4f}"
+    assert abs(ratios[2] - 1) <= 0.05, f"mean ITL ratio {ratios[2]:.4f}"
+
+
+def test_round_trip_short_window_matches_evaluate(placement_dir, tmp_path):
+    """20 simulated seconds (~490 requests, 8 s of wall time): throughput within 2 %, mean TTFT and
+    ITL within 5 % of evaluate on the same requests.  One run, no retry; skipped only when the
+    emulated servers' first-token lateness or the client's send lateness (both measured, mean)
+    exceeds half the TTFT tolerance -- the machine, not validate, would be in the numbers."""
+    real, twin, ratios, overload = _round_trip(placement_dir, tmp_path / "out", 20, "--no-track")
+    assert real["requests"] > 400
+    _assert_round_trip(ratios, overload)
+
+
+@pytest.mark.slow       # ~45 s: 60 simulated s at speed 2.5 and the MLflow run
 def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
-    """Real-side throughput within 2 %, mean TTFT and mean ITL within 5 % of evaluate on the same
-    requests.  At speed 10 a wall millisecond is 10 simulated ones: a miss is retried (3 runs); when
-    every run missed and was delayed by the machine (client sending late by more than NOISY_MS at
-    p99, or an instance stepping late by as much) the test is skipped saying so, as the emulator's consistency test does."""
+    """The must-show: 60 simulated seconds (~1,450 requests): throughput within 2 %, mean TTFT and
+    mean ITL within 5 % of evaluate on the same requests; every output and one MLflow run.  One
+    run, no retry; skipped only on measured overload (see the short test)."""
     tracking = f"sqlite:///{tmp_path}/mlflow.db"
-    quiet_miss = None
-    for attempt in range(3):
-        base = _two_ports()
-        emu = _fleet(placement_dir, base)
-        out = tmp_path / f"run{attempt}"
-        try:
-            r = _validate(placement_dir, [f"http://127.0.0.1:{base}/v1", f"http://127.0.0.1:{base + 1}/v1"], out,
-                          "--tracking-uri", tracking)
-            with _client() as c:
-                lag_p99 = max(c.get(f"http://127.0.0.1:{base + g}/emulator/stats").json()["lag_ms"]["p99"]
-                              for g in (0, 1))
-        finally:
-            assert emu.stop() == 0
-        assert r.returncode == 0, r.stderr + r.stdout
-        real = json.loads((out / "real.json").read_text())
-        twin = json.loads((out / "twin.json").read_text())
-        assert real["requests"] == twin["requests"] > 1000 and real["failed"] == 0
-        ratios = (real["throughput_tok_s"] / twin["throughput_tok_s"], real["ttft_ms"]["mean"] / twin["ttft_ms"]["mean"],
-                  real["itl_ms"]["mean"] / twin["itl_ms"]["mean"])
-        import csv
-        with (out / "requests.csv").open() as fh:
-            rows = list(csv.DictReader(fh))
-        late = np.array([float(x["sent_s"]) - float(x["arrival_s"]) for x in rows]) / 10 * 1000
-        noisy = max(float(np.percentile(late, 99)), lag_p99) > NOISY_MS
-        print(f"attempt {attempt}: real {real['throughput_tok_s']:.0f} tok/s, TTFT {real['ttft_ms']['mean']:.0f} ms, "
-              f"ITL {real['itl_ms']['mean']:.2f} ms; twin {twin['throughput_tok_s']:.0f}, {twin['ttft_ms']['mean']:.0f}, "
-              f"{twin['itl_ms']['mean']:.2f}; ratios {ratios}; client late p99 {np.percentile(late, 99):.1f} ms, "
-              f"engine lag p99 {lag_p99:.1f} ms wall")
-        if abs(ratios[0] - 1) <= 0.02 and abs(ratios[1] - 1) <= 0.05 and abs(ratios[2] - 1) <= 0.05:
-            break
-        if not noisy:
-            quiet_miss = ratios
-    else:
-        if quiet_miss is None:
-            pytest.skip("every run at speed 10 was delayed by the machine's other jobs (p99 > 5 ms wall)")
-        pytest.fail(f"validate missed evaluate on a quiet run: ratios {quiet_miss}")
+    out = tmp_path / "run"
+    real, twin, ratios, overload = _round_trip(placement_dir, out, 60, "--tracking-uri", tracking)
+    assert real["requests"] > 1000
     # the outputs
     for name in ("comparison.json", "bench.json", "requests.csv", "timeseries.csv", "twin_timeseries.csv",
                  "plots/gpu0.png", "plots/gpu1.png"):
         assert (out / name).is_file(), name
     comp = json.loads((out / "comparison.json").read_text())
-    assert set(comp["smape_per_gpu"]) == {"0", "1"} and comp["smape_fleet"]["throughput_tok_s"] < 2 * 2
+    assert set(comp["smape_per_gpu"]) == {"0", "1"}
     bench = json.loads((out / "bench.json").read_text())
     assert bench["completed"] > 1000 and bench["failed"] == 0 and bench["mean_ttft_ms"] > 0
     series = (out / "timeseries.csv").read_text().splitlines()
     assert series[0].startswith("time_s,gpu,running,waiting,kv_usage") and len(series) > 10
     assert (out / "plots/gpu0.png").read_bytes()[:4] == b"\x89PNG"
-    # one MLflow run in experiment "validation" per attempt, the last one with everything
-    import mlflow
+    # one MLflow run in experiment "validation"
+    import mlflow  # heavy optional dependency
     mlflow.set_tracking_uri(tracking)
     runs = mlflow.search_runs(experiment_names=["validation"], order_by=["start_time DESC"])
-    assert len(runs) == attempt + 1
+    assert len(runs) == 1
     run = runs.iloc[0]
     assert run["params.profile"] == "llama-3.1-8b-h100-64gb" and run["params.gpu"] == "emulated-H100"
     assert run["params.endpoint_version"] == "0.8.5" and run["params.seed"] == "3"
@@ -132,6 +163,7 @@ def test_round_trip_on_the_emulator_matches_evaluate(placement_dir, tmp_path):
         assert np.isfinite(run[m]), m
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run["run_id"])}
     assert {"real.json", "twin.json", "requests.csv", "timeseries.csv", "plots"} <= arts
+    _assert_round_trip(ratios, overload)
 
 
 def test_a_down_endpoint_counts_failures_and_still_writes(placement_dir, tmp_path):
@@ -209,7 +241,11 @@ def test_ctrl_c_writes_what_was_measured(placement_dir, tmp_path):
 
 # ---- ingest ------------------------------------------------------------------------------------
 #: a ``vllm bench serve --save-result`` JSON (no --save-detailed), field names as vLLM's
-#: vllm/benchmarks/serve.py writes them: 240 prompts at 4 req/s of 200 / 40 tokens (random dataset)
+#: vllm/benchmarks/serve.py writes them: 240 prompts at 4 req/s of 200 / 40 tokens (random dataset).
+#: Provenance: the fields (and their order) of vllm-project/vllm at commit 009e6d4a1cd6 (the newest
+#: stored copy; the v0.33 tag could not be identified in the source index); the older stored commit
+#: def9ce85ba10 writes the same less ``latencies``, ``queue_times``, ``rtfx``, which ingest does not read
+#: (experiments/real_validation/README.md, "Facts checked against vLLM's source").  Values: made up.
 BENCH_JSON = ROOT / "tests" / "data" / "vllm_bench_serve_result.json"
 
 

@@ -89,9 +89,11 @@ async def _one(host: str, port: int, path: str, model: str, rec: Record, t0: flo
     if include_usage:
         payload["stream_options"] = {"include_usage": True}
     body = json.dumps(payload).encode()
+    sent = time.perf_counter()
+    rec.sent = sent - t0
+    # the send instant, for an emulator on this host (lora_opt.emulate.server.SENT_HEADER; vLLM ignores it)
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    rec.sent = time.perf_counter() - t0
+            f"Content-Length: {len(body)}\r\nX-Lora-Opt-Sent: {sent:.6f}\r\nConnection: close\r\n\r\n").encode()
     writer = None
     last = b""
     try:

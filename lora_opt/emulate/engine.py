@@ -150,9 +150,12 @@ class OnlineEngine:
         _, out = draw_lengths(self.sc, self.rng, 1, self.eng["max_model_len"])
         return int(min(int(out[0]), max_tokens))
 
-    def submit(self, prompt_tokens: int, out_len: int, adapter: int) -> EmuRequest:
-        """A request arriving now; its tokens come through its ``event``."""
-        arrival = max(self.sim_now(), self._last_arrival)
+    def submit(self, prompt_tokens: int, out_len: int, adapter: int, sent_wall: float | None = None) -> EmuRequest:
+        """A request arriving now (``sent_wall``: the client's send instant, ``perf_counter`` seconds,
+        when it is on this host -- see ``lora_opt.emulate.server``); its tokens come through its ``event``."""
+        now = self.sim_now()
+        at = now if sent_wall is None else min(now, max(0.0, (sent_wall - self.t0) * self.speed))
+        arrival = max(at, self._last_arrival)
         self._last_arrival = arrival
         r = int(add_request(self.state, arrival, prompt_tokens, out_len, adapter))
         req = EmuRequest(r, prompt_tokens, out_len, adapter, arrival, asyncio.Event())

@@ -104,10 +104,17 @@ class _EngineCollector:
         for reason in ("stop", "length", "abort"):
             ok.add_metric([*values, reason], st.success[reason])
         yield ok
+        # vLLM: PrometheusStatLogger.log_metrics_info("cache_config", ...) labels the gauge with every
+        # field of CacheConfig (CacheConfig.metrics_info(): str(value) of each) plus "engine"; the
+        # field set changes between versions, so the emulator emits the fields every V1 version has,
+        # as vLLM formats them (the commands lora-opt emits pass --disable-prefix-caching)
+        labels = {"block_size": str(eng.profile.memory.block_size),
+                  "gpu_memory_utilization": str(eng.eng["gpu_memory_utilization"]), "cache_dtype": "auto",
+                  "is_attention_free": "False", "num_gpu_blocks_override": "None", "sliding_window": "None",
+                  "enable_prefix_caching": "False", "num_gpu_blocks": str(g["kv_blocks"]), "engine": m.labels["engine"]}
         cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                  labels=["block_size", "num_gpu_blocks", "gpu_memory_utilization"])
-        cache.add_metric([str(eng.profile.memory.block_size), str(g["kv_blocks"]),
-                          str(eng.eng["gpu_memory_utilization"])], 1.0)
+                                  labels=list(labels))
+        cache.add_metric(list(labels.values()), 1.0)
         yield cache
         running, waiting = eng.lora_usage()
         ids = ["", *m.adapter_ids]              # index 0: base-model requests (no adapter)

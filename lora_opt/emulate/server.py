@@ -11,7 +11,11 @@ connection is never refused by the emulator.
 
 import asyncio
 import json
+import time
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from lora_opt.emulate.engine import BASE_ADAPTER, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
@@ -36,6 +40,9 @@ class Instance:
     free_slots: list = field(default_factory=list)
     """Engine indices not yet taken by an adapter loaded at run time."""
     loaded: set = field(default_factory=set)
+    first_token_late: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    """Wall seconds each streamed first token left after its due time (the machine's delay, not
+    the schedule's: TTFT measured by a client includes it)."""
 
     def __post_init__(self):
         self.loaded = set(self.adapters)
@@ -83,8 +90,12 @@ def _stream_response(inst: Instance, req, fmt: Formatter, finish_reason: str):
                         body = fmt.chunks(sent, n, finish_reason if req.finished else None)
                         if req.finished:
                             body += fmt.tail(n)
+                        first = sent == 0
                         sent = n
                         await send({"type": "http.response.body", "body": body, "more_body": not req.finished})
+                        if first:           # how late the first token left against its due time (wall s)
+                            eng = inst.engine
+                            inst.first_token_late.append(time.perf_counter() - eng.t0 - req.first_t / eng.speed)
                     if req.finished:
                         return
             except OSError:
@@ -105,6 +116,30 @@ async def _watch_disconnect(receive, req) -> None:
             return
 
 
+#: the header a client on this host may send: its send instant, ``time.perf_counter()`` seconds
+SENT_HEADER = "x-lora-opt-sent"
+#: wall seconds a declared send instant may lie before the handler runs (beyond: another clock)
+SENT_MAX_AGE_S = 2.0
+
+
+def _sent_wall(request) -> float | None:
+    """The client's declared send instant when it is on this host (``perf_counter`` is the system's
+    monotonic clock, shared by processes on one machine) and plausible, else None.  Why: the
+    emulator's own intake (accept, parse, the loop's other work) runs in wall time on a shared core
+    and, multiplied by ``--speed``, becomes simulated time before the engine sees the request --
+    time a GPU server's front end does not spend (the profile's front-end delay already models
+    vLLM's) -- and under load it bunches arrivals, which a queue turns into extra TTFT."""
+    raw = request.headers.get(SENT_HEADER)
+    if raw is None or request.client is None or request.client.host not in ("127.0.0.1", "::1"):
+        return None
+    try:
+        sent = float(raw)
+    except ValueError:
+        return None
+    age = time.perf_counter() - sent
+    return sent if 0.0 <= age <= SENT_MAX_AGE_S else None
+
+
 async def _generate(inst: Instance, request, chat: bool):
     try:
         try:
@@ -122,7 +157,7 @@ async def _generate(inst: Instance, request, chat: bool):
     else:
         out_len = max(1, p.min_tokens, eng.draw_output_len(p.max_tokens))
     finish_reason = "length" if out_len == p.max_tokens else "stop"
-    req = eng.submit(p.prompt_tokens, out_len, adapter)
+    req = eng.submit(p.prompt_tokens, out_len, adapter, _sent_wall(request))
     req.finish_reason = finish_reason
     req.stream = p.stream
     fmt = Formatter(p, p.model or inst.model)
@@ -183,8 +218,15 @@ def build_app(inst: Instance):
     @app.get("/emulator/stats")
     async def stats(reset: int = 0):
         out = inst.engine.report()
+        lag = inst.engine.stats.lag_wall_s
+        out["lag_ms"]["mean"] = 1000.0 * sum(lag) / len(lag) if lag else 0.0
+        late = np.asarray(inst.first_token_late) * 1000.0
+        out["first_token_late_ms"] = {"mean": float(late.mean()) if late.size else 0.0,
+                                      "p50": float(np.percentile(late, 50)) if late.size else 0.0,
+                                      "p99": float(np.percentile(late, 99)) if late.size else 0.0, "count": int(late.size)}
         if reset:
             inst.engine.reset_lag()
+            inst.first_token_late.clear()
         return out
 
     @app.post("/v1/load_lora_adapter")

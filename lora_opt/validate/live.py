@@ -105,6 +105,39 @@ def endpoint_versions(urls: dict[int, str]) -> dict[int, str]:
     return dict(zip(urls, asyncio.run(all_())))
 
 
+def emulator_lags(urls: dict[int, str]) -> dict[int, dict]:
+    """GPU -> an emulated endpoint's own lateness (``GET /emulator/stats``, wall ms): ``lag_ms``
+    (its steps behind its clock) and ``first_token_late_ms`` (streamed first tokens after their due
+    time: what a client's TTFT takes from the machine); endpoints without that route (vLLM) are
+    left out."""
+    async def one(url):
+        status, body = await _get(url, "/emulator/stats")
+        if status != 200:
+            return None
+        try:
+            stats = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(stats, dict) or not isinstance(stats.get("lag_ms"), dict):
+            return None
+        return {"lag_ms": stats["lag_ms"], "first_token_late_ms": stats.get("first_token_late_ms", {})}
+
+    async def all_():
+        return await asyncio.gather(*(one(u) for u in urls.values()))
+    return {g: lag for g, lag in zip(urls, asyncio.run(all_())) if lag is not None}
+
+
+def send_lateness_ms(records: list[Record]) -> dict:
+    """How late the client sent the requests it sent (wall ms after ``arrival / speed``): mean,
+    p50, p99, max.  ``vllm bench serve`` times a request from its own send too, so a late send is
+    not in TTFT; it shifts the request's arrival at the server instead."""
+    late = np.array([r.sent - r.due for r in records if r.sent > 0 or r.status], float) * 1000.0
+    if not late.size:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    return {"mean": float(late.mean()), "p50": float(np.percentile(late, 50)), "p99": float(np.percentile(late, 99)),
+            "max": float(late.max())}
+
+
 @dataclass
 class Scrapes:
     """Raw scrapes: per GPU, (simulated time, the kept metric lines)."""

@@ -21,7 +21,8 @@ from lora_opt.placement.evaluate import (GRACE_S, Criterion, evaluate_placement,
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
-from lora_opt.validate.live import SERIES_COLUMNS, endpoint_versions, run_live, series_rows
+from lora_opt.validate.live import (SERIES_COLUMNS, emulator_lags, endpoint_versions, run_live, send_lateness_ms,
+                                   series_rows)
 from lora_opt.validate.measure import REQUEST_COLUMNS, bench_summary, gpu_result, request_rows
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,9 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
         log.info(f"replaying {len(req):,} requests over {T:g} s (x{speed:g}: {T / speed:,.0f} s of wall time) "
                  f"on {len(urls)} endpoint(s); Ctrl-C stops and writes what was measured")
     records, scrapes, interrupted = run_live(urls, req, target, models, speed=speed, end_s=T, scrape_s=scrape_s)
+    late = send_lateness_ms(records)
+    lags = emulator_lags(urls)
+    _warn_if_late(late, lags, speed)
     url_of = [urls.get(g, "") for g in range(len(p.gpus))]
     rows = request_rows(records, req, target, url_of, models, speed)
     srows = series_rows(scrapes)
@@ -173,7 +177,8 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     bench = bench_summary(records, rows, speed, T)
     info = {**(meta or {}), "speed": speed, "scrape_s": scrape_s, "duration_s": T, "seed": wl.evaluation.seed,
             "profile": p.profile, "lengths": wl.evaluation.lengths.source, "requests": int(len(req)), "endpoints": {str(g): u for g, u in urls.items()},
-            "versions": {str(g): v for g, v in versions.items()}, "interrupted": interrupted}
+            "versions": {str(g): v for g, v in versions.items()}, "interrupted": interrupted,
+            "client_send_late_wall_ms": late, "emulator_late_wall_ms": {str(g): v for g, v in lags.items()}}
     _write_outputs(out, info, real_ev, twin_ev, comparison, bench, rows, srows, real_series, twin_series, twin_raw)
     status = EXIT_INTERRUPTED if interrupted else EXIT_FAILED_REQUESTS if bench["failed"] else EXIT_OK
     summary = {"info": info, "real": real_ev, "twin": twin_ev, "comparison": comparison, "bench": bench,
@@ -181,6 +186,25 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     if track:
         log_run(summary, out, tracking_uri)
     return summary, status
+
+
+#: wall ms of client send lateness (p99) or emulated first-token lateness (mean), x speed, above which a warning
+#: says the machine, not the server, is in the numbers
+LATE_WARN_SIM_MS = 50.0
+
+
+def _warn_if_late(late: dict, lags: dict, speed: float) -> None:
+    """Say so when the client could not keep time (an oversubscribed machine): TTFT is timed from
+    the actual send, as ``vllm bench serve`` does, but a late send shifts the server's schedule;
+    and when an emulated endpoint stepped late, its tokens -- hence TTFT -- came late."""
+    if late["p99"] * speed > LATE_WARN_SIM_MS:
+        log.warning(f"the client sent late: p99 {late['p99']:.1f} ms of wall time (x{speed:g} = "
+                    f"{late['p99'] * speed:.0f} simulated ms) after the arrival times; TTFT is timed from the "
+                    "actual send (as vllm bench serve does); a busy machine: lower --speed")
+    worst = max((v["first_token_late_ms"].get("mean", 0.0) for v in lags.values()), default=0.0)
+    if worst * speed > LATE_WARN_SIM_MS:
+        log.warning(f"an emulated endpoint sent first tokens late: mean {worst:.1f} ms of wall time (x{speed:g} = "
+                    f"{worst * speed:.0f} simulated ms) after their due time; TTFT includes that; lower --speed")
 
 
 def _write_outputs(out: Path, info, real_ev, twin_ev, comparison, bench, rows, srows, real_series, twin_series,
