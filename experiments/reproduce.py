@@ -20,12 +20,12 @@ import traceback
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from experiments.reproduce import RESULTS_DIR, Context, Row  # noqa: E402
-from experiments.reproduce.registry import RESULTS, by_name  # noqa: E402
-from lora_opt.io import atomic_write_json, atomic_write_text  # noqa: E402
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run  # noqa: E402
+# `python experiments/reproduce.py` puts experiments/ first on the path, where the package reproduce/
+# (the results) takes precedence over this script of the same name
+from reproduce import RESULTS_DIR, Context, Row
+from reproduce.registry import RESULTS, by_name
+from lora_opt.io import atomic_write_json, atomic_write_text
+from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
 EXPERIMENT = "reproduce"
 #: MLflow tag prefix of the row's text fields (read back by experiments/results_section.py)

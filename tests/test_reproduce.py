@@ -7,8 +7,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from experiments.reproduce import VERDICTS, Row
-from experiments.reproduce.registry import RESULTS, by_name
+from reproduce import VERDICTS, Row              # experiments/ is on pytest's pythonpath (pyproject)
+from reproduce.registry import RESULTS, by_name
 
 ROOT = Path(__file__).resolve().parent.parent
 

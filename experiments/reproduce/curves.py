@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, pyplot, save_figure
+from . import REPO, Context, pyplot, save_figure
 from lora_opt.calibration.realruns import smape
 
 RUNS = REPO / "experiments" / "fidelity" / "runs.csv"

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
+from . import REPO, Context, Row, md_table, pyplot, save_figure
 from lora_opt.calibration.families import num
-from experiments.reproduce.curves import load_runs
+from .curves import load_runs
 
 NAME = "p1_fig1_max_pack"
 TITLE = "First paper Fig. 1 (the sweeps of second paper Fig. 1): throughput vs served adapters, Max_pack, twin vs real"

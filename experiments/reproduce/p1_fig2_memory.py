@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
+from . import REPO, Context, Row, md_table, pyplot, save_figure
 from lora_opt.calibration.families import measured_kv_tokens, num, startup_config
 from lora_opt.calibration.model_table import MODEL_PROFILES
 from twin.profile import load_profile

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
+from . import REPO, Context, Row, md_table, pyplot, save_figure
 
 NAME = "p1_fig5_slora"
 TITLE = "First paper Fig. 5: optimal served adapters under S-LoRA (real runs)"

@@ -8,8 +8,8 @@ rank-32 family (report half, 192 adapters: its largest sweep point) is shown bes
 """
 from __future__ import annotations
 
-from experiments.reproduce import Context, Row, md_table
-from experiments.reproduce.curves import curve_smape, load_runs, plot_panels
+from . import Context, Row, md_table
+from .curves import curve_smape, load_runs, plot_panels
 
 NAME = "p1_fig7_twin_curves"
 TITLE = "First paper Fig. 7: twin vs real vs slots (Qwen-2.5-7B, 256 adapters, two rate sets)"

@@ -15,8 +15,8 @@ import re
 
 import numpy as np
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
-from experiments.reproduce import p1_tables12_ng
+from . import REPO, Context, Row, md_table, pyplot, save_figure
+from . import p1_tables12_ng
 from lora_opt.io import atomic_write_text
 from lora_opt.surrogates.paper_ng import PAPER_STATS
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
+from . import REPO, Context, Row, md_table, pyplot, save_figure
 from lora_opt.calibration.realruns import smape
 from lora_opt.io import atomic_write_text
 from lora_opt.surrogates.dataset import generate, load_dataset

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.reproduce import Context, Row, md_table, pyplot, save_figure
+from . import Context, Row, md_table, pyplot, save_figure
 from lora_opt.benchmarks import bench_workload
 from lora_opt.placement.evaluate import evaluate_placement, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
+from . import REPO, Context, Row, md_table, pyplot, save_figure
 
 NAME = "p2_fig11_azure"
 TITLE = "Second paper Fig. 11: GPUs and latency on 4 GPUs, Azure traces, 3 seeds, both baseline variants"

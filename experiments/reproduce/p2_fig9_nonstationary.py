@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 import twin
-from experiments.reproduce import Context, Row, md_table, pyplot, save_figure
+from . import Context, Row, md_table, pyplot, save_figure
 from twin.scenario import build_scenario
 
 NAME = "p2_fig9_nonstationary"

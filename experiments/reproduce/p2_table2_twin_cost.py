@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from experiments.reproduce import Context, Row, md_table, pyplot, save_figure
+from . import Context, Row, md_table, pyplot, save_figure
 from lora_opt.benchmarks import bench_twin
 
 NAME = "p2_table2_twin_cost"

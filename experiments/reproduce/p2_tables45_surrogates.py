@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from experiments.reproduce import REPO, Context, Row, md_table, pyplot, save_figure
+from . import REPO, Context, Row, md_table, pyplot, save_figure
 from lora_opt.calibration.realruns import run_to_scenario, smape
 from lora_opt.surrogates.distill import DistilledSurrogate
 from lora_opt.surrogates.features import FEATURES, gpu_features
