@@ -27,7 +27,7 @@ TINY = """profile: llama-3.1-8b-h100-64gb
 adapters:
   - {count: 10, rank: 8, rate: 0.3, prefix: s-}
   - {count: 6, rank: 16, rate: 0.2, prefix: m-}
-evaluation: {duration_s: 60}
+evaluation: {duration_s: 120}
 """
 
 

@@ -512,7 +512,8 @@ def test_the_cli_runner_enforces_its_limits(tmp_path):
     runner = cli_runner()
     assert runner.run(["place", "--workload", str(wl), "--gpus", "1", "--policy", "greedy-fast", "--out",
                        str(tmp_path / "p")])["rc"] == 0
-    argv = ["evaluate", str(tmp_path / "p"), "--workers", "1", "--duration-s", "20000", "--json", "--no-track"]
+    # 400,000 s at 2 req/s: seconds of work even for the fast twin, killed at 0.5 s
+    argv = ["evaluate", str(tmp_path / "p"), "--workers", "1", "--duration-s", "400000", "--json", "--no-track"]
     req = {"argv": argv, "timeout_s": 0.5, "mem_bytes": MEMORY_LIMIT}
     runner.proc.stdin.write(json.dumps(req) + "\n")
     runner.proc.stdin.flush()

@@ -296,3 +296,17 @@ def test_open_storage_survives_processes_racing_to_create_a_new_file(tmp_path):
         for p in procs:
             p.join(120)
         assert [q.get(timeout=5) for _ in procs] == ["ok"] * 4
+
+
+def test_search_refuses_a_window_no_longer_than_the_grace(tmp_path, capsys):
+    """A 60 s window with the 60 s starvation grace would fail every trial's verdict: refused before
+    any trial runs, naming the field (not 'no feasible point')."""
+    import yaml
+
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump({**TINY, "evaluation": {"duration_s": 60}}))
+    rc = main(["search", "--workload", str(wfile), "--gpus", "2", "--trials", "2", "--workers", "1",
+               "--out", str(tmp_path / "o"), "--no-track"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "evaluation.duration_s: 60 s" in err and "grace" in err

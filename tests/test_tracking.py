@@ -113,7 +113,7 @@ def test_commands_are_runs_with_provenance(tmp_path, capsys):
                  "--policy", "greedy-fast"]) == 0
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "pl" / "placement.json"), "--workload", str(tmp_path / "w.yaml"),
-                 "--workers", "1", "--json"]) == 0
+                 "--workers", "1", "--grace-s", "30", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["policy"] == "greedy-fast"     # stdout stays one JSON object
     assert main(["dataset", "--grid", "tiny", "--out", str(tmp_path / "ds"), "--limit", "2", "--workers", "1"]) == 0
     capsys.readouterr()

@@ -84,10 +84,21 @@ def traffic_halves(wl: Workload, log_path: str | None):
     are searched and verified on; its second half is held out."""
     T = wl.evaluation.duration_s
     if not log_path:
+        _check_judged_window(T, "evaluation.duration_s")
         return wl, Traffic(None, T, seed=wl.evaluation.seed + 1), Traffic(None, T, seed=wl.evaluation.seed), {}
     wl, log, span = load_request_log(wl, log_path)
     wl, first, second, half = split_request_log(wl, log, span)
+    _check_judged_window(min(half, span - half), f"request log {log_path} (each half of its {span:g} s span)")
     return wl, Traffic(first, half), Traffic(second, span - half), {"history": first, "history_s": half}
+
+
+def _check_judged_window(window_s: float, what: str, grace_s: float = GRACE_S) -> None:
+    """Before any trial runs: a window no longer than the starvation grace leaves no request due, so
+    every trial would fail its verdict (``Criterion.check`` refuses it) and the study would end with
+    'no feasible point' instead of saying why."""
+    if not window_s > grace_s:
+        raise ScenarioError(f"{what}: {window_s:g} s; search and pareto judge starvation with a {grace_s:g} s "
+                            f"grace, which must be below the replayed window: give more than {grace_s:g} s")
 
 
 def replay(p: Placement, wl: Workload, traffic: Traffic, *, criterion: Criterion, grace_s: float = GRACE_S,
