@@ -6,6 +6,7 @@ import shlex
 import sys
 
 from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags, add_tracking_flag, int_range
+from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
 
@@ -34,10 +35,6 @@ def register(sub) -> None:
     pa.set_defaults(run=run)
 
 
-#: exit status when no method found a feasible point (as ``search``)
-EXIT_NO_FEASIBLE = 3
-
-
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     import json
@@ -53,13 +50,13 @@ def run(args: argparse.Namespace) -> int:
     res, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
                              tracking_uri=args.tracking_uri, command=command,
                              track=not args.no_track)
-    code = 0 if any(res["fronts"].values()) else EXIT_NO_FEASIBLE
+    code = 0 if any(res["fronts"].values()) else EXIT_NOT_ACCEPTABLE   # ran, no feasible point
     if args.json:
         # strict JSON: a point that was never replayed has latency NaN -> null
         print(json.dumps(json.loads(json.dumps(res, default=str), parse_constant=lambda _: None), indent=1))
         return code
     print((out / "report.md").read_text().split("## Every point")[0])
     if code:
-        print(f"no feasible point: no method met any criterion (exit status {EXIT_NO_FEASIBLE})")
+        print(f"no feasible point: no method met any criterion (exit status {EXIT_NOT_ACCEPTABLE})")
     print(f"-> {out}/report.md, pareto.json, pareto_front.png")
     return code

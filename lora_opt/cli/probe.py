@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from lora_opt.cli.common import add_tracking_flag, finite_float, int_range
+from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE, EXIT_OK
 
 #: the command that stands in for ``vllm serve MODEL`` when set (the runbook's dry run on the emulator)
 SERVER_CMD_ENV = "LORA_OPT_SERVER_CMD"
@@ -71,4 +72,4 @@ def run(args: argparse.Namespace) -> int:
     if any(v.get("noisy") for v in s["families"].values()):
         print("noisy rows (not fitted by calibrate): the machine could not keep time at this --speed; "
               "rerun slower or on a quieter machine")
-    return 3 if failed else 0
+    return EXIT_NOT_ACCEPTABLE if failed else EXIT_OK

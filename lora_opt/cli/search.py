@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, add_tracking_flag, int_range
+from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
 from lora_opt.search.study import BACKENDS, DEFAULT_BATCH, DEFAULT_OBJECTIVE, OBJECTIVES
@@ -63,10 +64,6 @@ def _stale_note(n: int, backend: str) -> str:
     if not n:
         return ""
     return f", {n} in flight at the last kill " + ("evaluated again" if backend == "ask-tell" else "recorded as failed")
-
-
-#: exit status when the study found no feasible placement (as ``place``'s infeasible)
-EXIT_NO_FEASIBLE = 3
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                     metrics={"trials": res.trials, "complete": res.complete, "failed": res.failed, "front_points": len(rows)},
                     artifacts=[out], profile=wl.profile, seeds={"sampler": args.seed, "evaluation": wl.evaluation.seed},
                     wall_s=res.wall_s, tracking_uri=args.tracking_uri, track=not args.no_track)
-    code = 0 if rows else EXIT_NO_FEASIBLE
+    code = 0 if rows else EXIT_NOT_ACCEPTABLE   # ran, no feasible point
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return code
@@ -146,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
               "--workers; the default backend is)")
     print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
     print(front_table(rows, args.objective) if rows else "  no feasible trial: no placement met the criterion "
-          f"(exit status {EXIT_NO_FEASIBLE}); try more --trials or --gpus, or a looser criterion")
+          f"(exit status {EXIT_NOT_ACCEPTABLE}); try more --trials or --gpus, or a looser criterion")
     print(f"  -> {out}/front.json, placement-*.json, pareto_front.png, hypervolume_history.png;  "
           f"optuna-dashboard {res.storage}")
     return code
