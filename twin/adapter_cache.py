@@ -162,7 +162,7 @@ def load_batch_adapters(s):
     s.load_ms = 0.0
     n_distinct = 0
     for j in range(s.n_batch):
-        a = req_adapter[batch[j]]
+        a = req_adapter[np.uint32(batch[j])]      # unsigned: see engine_schedule.schedule_running
         if seen[a] != step:
             seen[a] = step
             n_distinct += 1

@@ -115,7 +115,8 @@ def step(s, check=False):
     t_end = s.t + dt
     account_areas(s, t_end)
     advance_batch(s, t_end, dt)
-    drop_finished(s)
+    if s.finished_now > 0:          # RUNNING changes only when a request finished
+        drop_finished(s)
     if check:
         check_invariants(s, t_end)
     s.t = t_end

@@ -26,14 +26,17 @@ def _decode_horizon(s):
     """Steps until the first running request finishes (0: one is still prefilling or due its first
     token); fills ``s.blocks_at[m]``: running requests with ``computed % block_size == m``."""
     bs = s.cfg.block_size
-    s.blocks_at[:] = 0
+    running, generated, computed, in_len, out_len, blocks_at = (s.running, s.generated, s.computed, s.in_len,
+                                                                s.out_len, s.blocks_at)
+    blocks_at[:] = 0
     horizon = np.int64(2**62)
     for j in range(s.n_running):
-        r = s.running[j]
-        if s.generated[r] < 1 or s.computed[r] != s.in_len[r] + s.generated[r] - 1:
+        r = np.uint32(running[j])            # unsigned: see engine_schedule.schedule_running
+        g, c = generated[r], computed[r]
+        if g < 1 or c != in_len[r] + g - 1:
             return 0
-        horizon = min(horizon, s.out_len[r] - s.generated[r])
-        s.blocks_at[s.computed[r] % bs] += 1
+        horizon = min(horizon, out_len[r] - g)
+        blocks_at[c % bs] += 1
     return horizon
 
 
@@ -51,17 +54,22 @@ def _must_stop(s):
 def _catch_up(s, n):
     """The running requests decoded ``n`` more tokens, the last at now."""
     bs = s.cfg.block_size
+    running, computed, generated, held, last_t = s.running, s.computed, s.generated, s.held, s.last_t
+    t = s.t
     for j in range(s.n_running):
-        r = s.running[j]
-        s.computed[r] += n
-        s.generated[r] += n
-        s.held[r] = (s.computed[r] + bs - 1) // bs
-        s.last_t[r] = s.t
+        r = np.uint32(running[j])            # unsigned: see engine_schedule.schedule_running
+        c = computed[r] + n
+        computed[r] = c
+        generated[r] += n
+        held[r] = (c + bs - 1) // bs
+        last_t[r] = t
 
 
 @njit(cache=True)
 def skip_steady_steps(s):
     """Take the repeats of a steady step (see the module docstring) in one go."""
+    if _must_stop(s):          # nothing to skip: spare the pass over RUNNING
+        return
     bs = s.cfg.block_size
     n_batch = s.n_batch
     horizon = _decode_horizon(s)

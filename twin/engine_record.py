@@ -77,27 +77,33 @@ def advance_batch(s, t_end, dt):
     """The step from now to ``t_end`` (``dt`` long) ran: every scheduled request advances, those
     that completed their prompt + generated tokens sample one token, those with all output tokens
     finish.  Sets ``s.finished_now``."""
-    computed, generated, last_t = s.computed, s.generated, s.last_t
+    # arrays in locals: see engine_schedule.schedule_running
+    computed, generated, last_t, batch = s.computed, s.generated, s.last_t, s.batch
     in_len, out_len, sched_tok = s.in_len, s.out_len, s.sched_tok
+    first_t, first_running = s.first_t, s.first_running
     t = s.t
+    n_running = s.n_running
     regular = 0
     finished = 0
     for j in range(s.n_batch):
-        r = s.batch[j]
-        computed[r] += sched_tok[r]
+        r = np.uint32(batch[j])            # unsigned: see engine_schedule.schedule_running
+        c = computed[r] + sched_tok[r]
+        computed[r] = c
         sched_tok[r] = 0
-        if computed[r] != in_len[r] + generated[r]:
+        g = generated[r]
+        if c != in_len[r] + g:
             continue
-        generated[r] += 1
-        if generated[r] == 1:
-            s.first_t[r] = t_end
-            s.first_running[r] = s.n_running
+        g += 1
+        generated[r] = g
+        if g == 1:
+            first_t[r] = t_end
+            first_running[r] = n_running
         elif last_t[r] == t:
             regular += 1
         else:
             _record_gap(s, t_end - last_t[r])
         last_t[r] = t_end
-        if generated[r] == out_len[r]:
+        if g == out_len[r]:
             finished += 1
             _finish(s, r, t_end)
     s.n_finished += finished
@@ -113,7 +119,8 @@ def drop_finished(s):
     k = 0
     for j in range(s.n_running):
         r = running[j]
-        if generated[r] < out_len[r]:
+        ru = np.uint32(r)                    # unsigned: see engine_schedule.schedule_running
+        if generated[ru] < out_len[ru]:
             running[k] = r
             k += 1
     s.n_running = k
