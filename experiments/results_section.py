@@ -29,7 +29,8 @@ INTRO = ("Every published result we reproduce is one script (`experiments/reprod
          "run (experiment `reproduce`: params, metrics, the figure and table as artifacts; files also under "
          "`experiments/reproduce/results/<name>/`). `python experiments/reproduce.py --quick` runs the quick set, "
          "`python experiments/reproduce.py` all of them, `--only NAME` one, `--list` names them; then "
-         "`python experiments/results_section.py` rewrites this table from the runs. SMAPE: the BRIEF's "
+         "`python experiments/results_section.py` rewrites this table from the runs (install with `pip install -e "
+         "'.[dev]'`: the `paper` extra in it brings `imodels` for RuleFit and FIGS). SMAPE: the BRIEF's "
          "definition (\"full scale\") unless a cell says \"papers' scale\" (without the /2, as the papers quote it).")
 
 

@@ -1,5 +1,6 @@
 """Dataset generation: a small grid end to end on local Ray, serial = Ray, resume after kill -9,
 the Parquet schema, bad grids."""
+import json
 import os
 import signal
 import subprocess
@@ -60,6 +61,22 @@ def test_resume_after_kill_minus_9(tmp_path):
     clean = ds.generate(None, grid, tmp_path / "clean", workers=1, limit=48, progress=False, track=False)
     assert clean["dataset_hash"] == again["dataset_hash"]
     assert not list(out.glob("*.tmp"))
+
+
+def test_summary_adds_up_the_runs_of_a_resumed_labelling(tmp_path):
+    """A labelling that spans several runs (a stop, a resume: the papers' grid spans sessions)
+    keeps each run's wall time in summary.json, and their sum."""
+    grid, out = _grid(tmp_path, duration_s=30, shard_size=4), tmp_path / "d"
+    first = ds.generate(None, grid, out, workers=1, limit=8, progress=False, track=False)
+    # a summary written before runs were listed counts as one run
+    old = json.loads((out / "summary.json").read_text())
+    old.pop("runs"), old.pop("wall_s_all_runs")
+    (out / "summary.json").write_text(json.dumps(old))
+    ds.shard_path(out, 1).unlink()                       # as if the first run had stopped there
+    second = ds.generate(None, grid, out, workers=1, limit=8, progress=False, track=False)
+    assert [r["rows_labelled"] for r in second["runs"]] == [8, 4]
+    assert second["runs"][0]["wall_s"] == first["wall_s"]
+    assert second["wall_s_all_runs"] == pytest.approx(first["wall_s"] + second["wall_s"])
 
 
 def test_other_grid_in_same_directory_is_refused(tmp_path):

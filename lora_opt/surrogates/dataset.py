@@ -392,6 +392,12 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     summary = {"out": str(out), "rows": len(points), "rows_labelled_now": labelled, "rows_resumed": done_points,
                "shards": n_shards, "wall_s": wall, "rows_per_s": labelled / wall if wall > 0 else float("nan"),
                "dataset_hash": dataset_hash(out), **{k: manifest[k] for k in ("grid_hash", "profile", "twin_version")}}
+    # a labelling resumed after a stop is several runs: keep each one's time, so the whole costs add up
+    runs = _previous_runs(out / "summary.json")
+    runs.append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": wall, "rows_labelled": labelled,
+                 "workers": workers or "all", "cpus": os.cpu_count()})
+    summary["runs"] = runs
+    summary["wall_s_all_runs"] = sum(float(r.get("wall_s", 0.0)) for r in runs)
     atomic_write_json(out / "summary.json", summary, indent=2)
     _remove_stale_temporaries(out)
     if track:
@@ -407,6 +413,22 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
                                 "rows_per_s": summary["rows_per_s"] if labelled else 0.0})
             mlflow.log_artifact(str(mpath))
     return summary
+
+
+def _previous_runs(path: Path) -> list[dict]:
+    """The runs an existing ``summary.json`` records (one, for a summary written before runs were
+    listed); none when there is no readable summary."""
+    try:
+        old = read_config_file(path, "dataset summary") if path.exists() else None
+    except ScenarioError:
+        return []
+    if not isinstance(old, dict):
+        return []
+    if isinstance(old.get("runs"), list):
+        return [r for r in old["runs"] if isinstance(r, dict)]
+    if "wall_s" in old:
+        return [{"wall_s": old.get("wall_s"), "rows_labelled": old.get("rows_labelled_now")}]
+    return []
 
 
 def dataset_hash(out: str | Path) -> str:
