@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -213,14 +214,20 @@ def log_params(params: dict) -> None:
     mlflow.log_params({k: str(v)[:_MAX_PARAM_CHARS] for k, v in params.items() if v is not None})
 
 
+#: characters MLflow refuses in a metric name (it allows alphanumerics, _ - . space : /); spaces too,
+#: which it allows but which make names awkward to query
+_METRIC_NAME_BAD = re.compile(r"[^A-Za-z0-9_\-.:/]")
+
+
 def flat_metrics(prefix: str, d) -> dict[str, float]:
-    """Every finite number of a nested dict as ``{"prefix.key.sub": value}``."""
+    """Every finite number of a nested dict as ``{"prefix.key.sub": value}`` (characters MLflow
+    refuses in a name, and spaces, become ``_``)."""
     out: dict[str, float] = {}
     if isinstance(d, dict):
         for k, v in d.items():
             out.update(flat_metrics(f"{prefix}.{k}" if prefix else str(k), v))
     elif isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d):
-        out[prefix.replace(" ", "_").replace(",", "")] = float(d)
+        out[_METRIC_NAME_BAD.sub("_", prefix.replace(",", ""))] = float(d)
     elif hasattr(d, "item") and getattr(d, "ndim", None) == 0:      # a numpy scalar
         out.update(flat_metrics(prefix, d.item()))
     return out
