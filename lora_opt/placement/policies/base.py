@@ -8,7 +8,9 @@ decides the assignment.  Contract tests (``tests/test_policies.py``) run over ``
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +134,12 @@ class PlacementPolicy:
         """Assignment -> checked ``Placement`` (``meta`` holds the verdict and predictions)."""
         if not isinstance(gpus, int) or gpus < 1:
             raise ScenarioError(f"gpus: must be an integer >= 1, got {gpus!r}")
-        ctx = ctx or PlacementContext.for_workload(wl)
+        # hundreds of thousands of small objects (routes, GPU lists) and none of them garbage: the
+        # cyclic collector's passes cost ~20 % of a 100k-adapter placement (measured); it runs after
+        with _collector_paused():
+            return self._place(wl, gpus, ctx or PlacementContext.for_workload(wl))
+
+    def _place(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Placement:
         t0 = time.perf_counter()
         asg = self.assign(wl, gpus, ctx)
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -162,6 +169,18 @@ class PlacementPolicy:
             raise AssertionError(f"policy {self.name} produced an invalid placement: {problems}")
         meta["gpus_failing_startup"] = startup_failures(p, ctx.profile)
         return p
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the block (back as it was after)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def startup_failures(p: Placement, profile: Profile) -> list[int]:
