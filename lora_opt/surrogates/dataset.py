@@ -397,7 +397,7 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     runs.append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": wall, "rows_labelled": labelled,
                  "workers": workers or "all", "cpus": os.cpu_count()})
     summary["runs"] = runs
-    summary["wall_s_all_runs"] = sum(float(r.get("wall_s", 0.0)) for r in runs)
+    summary["wall_s_all_runs"] = sum(float(r["wall_s"]) for r in runs)
     atomic_write_json(out / "summary.json", summary, indent=2)
     _remove_stale_temporaries(out)
     if track:
@@ -424,10 +424,13 @@ def _previous_runs(path: Path) -> list[dict]:
         return []
     if not isinstance(old, dict):
         return []
+    def numeric(r) -> bool:                 # a hand-edited summary cannot break the sum
+        return isinstance(r, dict) and isinstance(r.get("wall_s"), (int, float)) and math.isfinite(r["wall_s"])
+
     if isinstance(old.get("runs"), list):
-        return [r for r in old["runs"] if isinstance(r, dict)]
-    if "wall_s" in old:
-        return [{"wall_s": old.get("wall_s"), "rows_labelled": old.get("rows_labelled_now")}]
+        return [r for r in old["runs"] if numeric(r)]
+    if numeric(old):
+        return [{"wall_s": old["wall_s"], "rows_labelled": old.get("rows_labelled_now")}]
     return []
 
 
