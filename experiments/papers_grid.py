@@ -34,9 +34,8 @@ import numpy as np
 from lora_opt.calibration.realruns import smape
 from lora_opt.io import atomic_write_json, atomic_write_text
 from lora_opt.placement.policies.base import bundled_surrogate_dir
-from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.oracle import Surrogate
-from lora_opt.surrogates.training_data import load_dataset_dir, prepare
+from lora_opt.surrogates.training_data import label_rows, load_dataset_dir
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 
 OUT = Path(__file__).resolve().parent / "papers_grid"
@@ -44,15 +43,11 @@ DATASET = Path("outputs") / "dataset-papers-llama"
 
 
 def labels(df) -> dict:
-    """The twin's labels of the rows that a surrogate is judged on: usable rows (ran or OOM),
-    starving (or OOM), and which rows are 'measured' (whole hour, not starving: regression rows)."""
-    usable = df[df["status"].isin(["ok", "oom"])].reset_index(drop=True)
-    oom = (usable["status"] == "oom").to_numpy()
-    starving = usable["starving"].astype(bool).to_numpy() | oom
-    stopped = usable["stopped_early_s"].notna().to_numpy()
-    thr = usable["throughput_tok_s"].to_numpy(float)
-    return {"X": usable.loc[:, list(FEATURES)].to_numpy(float), "starving": starving,
-            "measured": ~starving & ~stopped & np.isfinite(thr), "throughput": thr}
+    """The twin's labels of the rows a surrogate is judged on (``label_rows``: ran or OOM), the
+    throughput head judged on whole-hour non-starving rows only."""
+    _, X, thr, starving, measured = label_rows(df)
+    starving = starving.astype(bool)
+    return {"X": X, "starving": starving, "measured": measured & ~starving, "throughput": thr}
 
 
 def _training_rows(df, n: int | None):

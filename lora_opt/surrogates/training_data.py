@@ -77,12 +77,10 @@ def frame_hash(df) -> str:
     return hashlib.sha256(d.to_csv(index=False).encode()).hexdigest()[:16]
 
 
-def prepare(df, *, seed: int = 0, holdout: float = HOLDOUT_FRACTION) -> TrainingData:
-    """Validate, label and split the dataset (stratified by the starvation label)."""
-    from sklearn.model_selection import train_test_split  # heavy optional dependency: only when training
-
-    validate_dataset(df)
-    digest = frame_hash(df)
+def label_rows(df):
+    """The labels a surrogate learns from a dataset's rows that ran or could not start (status ok /
+    oom): (those rows, features, throughput -- 0 for an OOM --, starving or OOM as 0/1, measured =
+    the engine started and ran the whole window, the rows a throughput regressor learns from)."""
     usable = df[df["status"].isin(["ok", "oom"])].reset_index(drop=True)
     oom = (usable["status"] == "oom").to_numpy()
     starving = (usable["starving"].astype(bool).to_numpy() | oom).astype(np.int64)
@@ -90,13 +88,23 @@ def prepare(df, *, seed: int = 0, holdout: float = HOLDOUT_FRACTION) -> Training
     measured = ~oom & np.isfinite(thr)
     if "stopped_early_s" in usable.columns:
         measured &= usable["stopped_early_s"].isna().to_numpy()
+    return usable, usable.loc[:, list(FEATURES)].to_numpy(np.float64), thr, starving, measured
+
+
+def prepare(df, *, seed: int = 0, holdout: float = HOLDOUT_FRACTION) -> TrainingData:
+    """Validate, label and split the dataset (stratified by the starvation label)."""
+    from sklearn.model_selection import train_test_split  # heavy optional dependency: only when training
+
+    validate_dataset(df)
+    digest = frame_hash(df)
+    usable, X, thr, starving, measured = label_rows(df)
     counts = np.bincount(starving, minlength=2)
     if counts.min() < 2 * 5:
         raise ScenarioError(f"dataset: too few rows of one class to train and cross-validate "
                             f"(feasible {counts[0]}, starving/oom {counts[1]}; need >= 10 each)")
     idx = np.arange(len(usable))
     train, test = train_test_split(idx, test_size=holdout, stratify=starving, random_state=seed)
-    return TrainingData(X=usable.loc[:, list(FEATURES)].to_numpy(np.float64), throughput=thr,
+    return TrainingData(X=X, throughput=thr,
                         starving=starving, measured=measured, train=np.sort(train), test=np.sort(test),
                         dropped_rows=int(len(df) - len(usable)), dataset_hash=digest)
 
