@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
+from lora_opt import readme_blocks, settings  # noqa: F401  (settings: MLflow telemetry off before mlflow is imported)
 from lora_opt.io import atomic_write_text
 from lora_opt.tracking import default_tracking_uri
 
@@ -84,10 +84,9 @@ def section_body(rows: list[dict]) -> str:
 
 def rewrite(readme_text: str, body: str) -> str:
     """The README with its generated block replaced (or the section created before "## Reliability")."""
-    if BEGIN in readme_text and END in readme_text:
-        head, rest = readme_text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        return head + body + tail
+    begin_prefix = BEGIN.split(" (", 1)[0]
+    if readme_blocks.count_blocks(readme_text, begin_prefix, END):
+        return readme_blocks.replace_block(readme_text, begin_prefix, END, body)
     marker = "\n" + BEFORE + "\n"
     if marker not in readme_text:
         raise SystemExit(f"results_section.py: README has no '{BEFORE}' heading to put the Results section before")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 
-from lora_opt.errors import InputError
+from lora_opt import readme_blocks
 
 BEGIN = "<!-- bench:{name}:begin (generated from {source} by python experiments/readme_tables.py; do not edit) -->"
 END = "<!-- bench:{name}:end -->"
@@ -88,14 +88,8 @@ def twin_table(rows: list) -> str:
 def replace_block(text: str, name: str, body: str, source: str) -> str:
     """``text`` with the block ``name`` (markers included) replaced by ``body`` between fresh
     markers; InputError if the README has no such block (or two)."""
-    pattern = re.compile(r"<!-- bench:" + re.escape(name) + r":begin[^\n]*-->\n.*?<!-- bench:" + re.escape(name)
-                         + r":end -->", re.S)
-    found = pattern.findall(text)
-    if len(found) != 1:
-        raise InputError(f"README: expected one block <!-- bench:{name}:begin ... --> ... <!-- bench:{name}:end -->, "
-                         f"found {len(found)}")
     block = BEGIN.format(name=name, source=source) + "\n" + body.rstrip("\n") + "\n" + END.format(name=name)
-    return pattern.sub(lambda _: block, text)
+    return readme_blocks.replace_block(text, f"<!-- bench:{name}:begin", END.format(name=name), block)
 
 
 def render_readme(text: str, place_doc: dict | None, twin_rows: list | None, place_src: str, twin_src: str) -> str:
