@@ -185,11 +185,12 @@ def growth_case(policy: str = "greedy", small: int = 1_000, large: int = 10_000,
             "rows_ratio": rows[large] / rows[small]}
 
 
-def case_rows(repeats: int = 3) -> list[dict]:
-    """The papers' setting for every oracle policy (CPU seconds, best of ``repeats``; twin
-    verification once)."""
+def case_rows(repeats: int = 3, cases=None) -> list[dict]:
+    """``cases`` (default ``PLACE_CASES``: the papers' setting for every oracle policy), CPU seconds,
+    best of ``repeats``; twin verification once."""
     rows, cache = [], {}
-    for case, n, pool, rates, name, opts, paper, target in tqdm(PLACE_CASES, desc="bench place cases", unit="case"):
+    cases = PLACE_CASES if cases is None else cases
+    for case, n, pool, rates, name, opts, paper, target in tqdm(cases, desc="bench place cases", unit="case"):
         wl = cache.get((n, rates)) or cache.setdefault((n, rates), bench_workload(n, rates))
         ctx = CountingContext.for_workload(wl)
         pol = get_policy(name, **opts)
