@@ -69,6 +69,13 @@ _CHILD = r"""
 import json, resource, sys, time
 import twin
 from twin.scenario import scenario_from_dict
+def peak_rss_mb():
+    # VmHWM: this process's own high-water mark. Not ru_maxrss: on Linux it keeps the parent's RSS
+    # at fork/exec, so a child of a large process would report the parent's size
+    try:
+        return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * (1024 if sys.platform == "darwin" else 1))
 spec = json.loads(sys.argv[1])
 sc = scenario_from_dict(spec["scenario"])
 tiny = scenario_from_dict(dict(spec["scenario"], duration_s=5))
@@ -83,7 +90,7 @@ for _ in range(spec["repeats"]):
     best_cpu = dc if best_cpu is None or dc < best_cpu else best_cpu
 print(json.dumps({"wall_s": best, "cpu_s": best_cpu, "steps": r.steps, "requests": r.arrived, "starving": r.starving,
                   "stopped_early_s": r.stopped_early_s, "throughput": r.throughput_tok_s,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_rss_mb": peak_rss_mb(),
                   "base_rss_mb": base_rss}))
 """
 
