@@ -147,6 +147,32 @@ def _figure(rows: list[list], ctx: Context) -> str:
     return save_figure(fig, ctx)
 
 
+#: the paper's Tree** on Llama (papers' scale): N*, G*
+PAPER_TREE = (3.70, 10.86)
+
+
+def _verdict(by: dict, n_workloads: int, n_real: int, quick: bool) -> tuple[str, str]:
+    """Partly reproduced when the ranking holds (forest below the linear model on N*) and the
+    readable tree is within 1.5x of the paper's Tree** on both outputs; else it differs."""
+    rf, lin, tree = by["RFRegressor"], by["LinearRegression"], by["Tree** (depth 6)"]
+    med = by["median (no skill)"]
+    ranking = rf[1] < lin[1]
+    tree_close = all(tree[i] / 2 <= 1.5 * p for i, p in zip((1, 2), PAPER_TREE))
+    size = (f"{n_workloads} twin-labelled workloads (the paper's grid: 2,200)" + (" in the quick run" if quick else ""))
+    real_g = min(r[4] for k, r in by.items() if k != "median (no skill)")
+    real_txt = (f"against the {n_real} real optima (the paper's 882-run real test set is not bundled) the errors are "
+                f"larger (RF N* {rf[3] / 2:.1f} %, G* {rf[4] / 2:.1f} %)"
+                + (f" and no family predicts G* better than the no-skill median ({med[4] / 2:.1f} %)"
+                   if real_g >= med[4] else ""))
+    head = (f"the ranking {'reproduces' if ranking else 'does not reproduce'} (the forest against the linear model: N* "
+            f"{rf[1] / 2:.1f} vs {lin[1] / 2:.1f} %); the readable tree is "
+            f"{'at' if tree_close else 'not at'} the paper's level (N* {tree[1] / 2:.1f} vs {PAPER_TREE[0]} %, G* "
+            f"{tree[2] / 2:.1f} vs {PAPER_TREE[1]} %); the forest is at N* {rf[1] / 2:.1f} %, G* {rf[2] / 2:.1f} % against "
+            f"the paper's 0.05 % / 6.73 % (likely: the twin's throughput surface is flat near its top, so the argmax "
+            f"jumps between neighbouring grid points), with {size}; ")
+    return ("partly" if ranking and tree_close else "differs"), head + real_txt
+
+
 def run(ctx: Context) -> Row:
     wl = twin_workloads(ctx)
     real = real_workloads()
@@ -165,6 +191,7 @@ def run(ctx: Context) -> Row:
     metrics = {f"{r[0].split(' ')[0]}.{k}": float(v) for r in rows
                for k, v in zip(("n_cv", "g_cv", "n_real", "g_real", "inference_ms"), r[1:6])}
     metrics["workloads"] = float(len(wl))
+    verdict, why = _verdict(by, len(wl), len(real), ctx.quick)
     return Row(
         name=NAME, title=TITLE,
         paper_value="trees: N* 0.05-1.01 %, G* 6.73-7.15 %; linear: N* 38.6-40.6 %; Tree**: N* 3.70 %, G* 10.86 % (Llama)",
@@ -173,11 +200,6 @@ def run(ctx: Context) -> Row:
               f"vs the {len(real)} real "
               f"optima: RF N* {rf[3] / 2:.1f} %, G* {rf[4] / 2:.1f} %"),
         real=f"{len(real)} real Llama-3.1-8B workloads with a whole (served, A_max) sweep",
-        verdict="differs",
-        why=(f"the ranking reproduces (the forest beats the linear models: N* {rf[1] / 2:.1f} vs {lin[1] / 2:.1f} %), "
-             f"the magnitudes do not: our errors are far above 0.05-1 % / 7 %, likely because the twin's throughput "
-             f"surface is flat near its top so the argmax jumps between grid points, and with "
-             f"{len(wl)} workloads in the quick run; the paper's real test set (882 runs) is not bundled, only "
-             f"{len(real)} real optima are"),
+        verdict=verdict, why=why,
         metrics=metrics, params={"workloads": len(wl), "profile": "llama-3.1-8b-h100-64gb", "rho": RHO},
         figure=_figure(rows, ctx), table_md=table)
