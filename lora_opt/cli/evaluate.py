@@ -45,8 +45,8 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.placement.evaluate import (evaluate_placement, evaluation_table, served_ok, with_evaluation,
-                                             workload_from_placement)
+    from lora_opt.placement.evaluate import (check_grace_below_window, evaluate_placement, evaluation_table, served_ok,
+                                             with_evaluation, workload_from_placement)
     from lora_opt.placement.plan import Placement, PlacementError
     from lora_opt.placement.workload_file import load_workload
     from lora_opt.tracking import log_command_run
@@ -59,10 +59,8 @@ def run(args: argparse.Namespace) -> int:
                          time_scale=args.time_scale, start_s=args.start_s, duration_s=args.duration_s,
                          lengths=args.lengths, seed=args.seed)
     grace_s = GRACE_DEFAULT_S if args.grace_s is None else args.grace_s
-    if grace_s >= wl.evaluation.duration_s:
-        default = " (the default)" if args.grace_s is None else ""
-        raise InputError(f"--grace-s: {grace_s:g} s{default} must be below the replayed duration (--duration-s) "
-                         f"{wl.evaluation.duration_s:g} s (otherwise no request is due and every GPU passes)")
+    check_grace_below_window(grace_s, wl.evaluation.duration_s, "--grace-s:", "the replayed duration (--duration-s)",
+                             note=" (the default)" if args.grace_s is None else "", error=InputError)
     ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address,
                             progress=show_progress(args), grace_s=grace_s)
     code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE

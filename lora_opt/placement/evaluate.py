@@ -115,6 +115,16 @@ def _combined(results: list[dict], key: str) -> dict:
 GRACE_S = 60.0
 
 
+def check_grace_below_window(grace_s: float, window_s: float, grace: str, window: str, *, note: str = "",
+                             error: type[Exception] = ScenarioError) -> None:
+    """The starvation verdict judges the requests that arrive ``grace_s`` before the end of the
+    window: a grace of the whole window or more leaves none due, and every GPU would pass unjudged.
+    ``grace`` / ``window`` name the caller's own fields in the message (``note`` follows the grace)."""
+    if not grace_s < window_s:
+        raise error(f"{grace} {grace_s:g} s{note} must be below {window} {window_s:g} s "
+                    "(otherwise no request is due and every GPU passes)")
+
+
 @dataclass(frozen=True)
 class Criterion:
     """When a GPU counts as serving its traffic (every part that is set must hold)."""
@@ -158,9 +168,7 @@ class Criterion:
         """served_fraction, ttft_attainment, itl_attainment and ok for one GPU's result (a twin
         ``Result`` or its dict with ``samples``).  A grace of the whole window ``T`` or more is
         refused: no request would be due, and every GPU would pass unjudged."""
-        if not grace_s < T:
-            raise ScenarioError(f"starvation verdict: the grace {grace_s:g} s must be below the judged window "
-                                f"{T:g} s (otherwise no request is due and every GPU passes)")
+        check_grace_below_window(grace_s, T, "starvation verdict: the grace", "the judged window")
         if not isinstance(r, dict):
             r = {**r.to_dict(), "samples": r.samples}
         out = {"served_fraction": served_fraction(r, T, grace_s), "ttft_attainment": None, "itl_attainment": None}
@@ -217,10 +225,7 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
         raise ScenarioError("placement: no GPUs to evaluate")
     T = duration_s or wl.evaluation.duration_s
     check_finite(grace_s, "evaluate --grace-s", 0.0)
-    if grace_s >= T:   # a grace of the whole window leaves no request due: every GPU would pass unjudged
-        raise ScenarioError(f"evaluate --grace-s: {grace_s:g} s must be below the replayed duration "
-                            f"(--duration-s) {T:g} s (otherwise no request is due and every GPU passes); "
-                            "0 = benchmark_serving's definition")
+    check_grace_below_window(grace_s, T, "evaluate --grace-s:", "the replayed duration (--duration-s)")
     problems = [q for q in placement_problems(p, None, include_startup=False) if "does not exist" in q
                 or "unknown adapter" in q or "weights" in q]
     if problems:
