@@ -70,7 +70,9 @@ def run(ctx: Context) -> Row:
               "before the last 60 s). The papers' greedy tests a GPU against the surrogate only (past 384 adapters "
               "the surrogate sees 384); greedy-plus accepts a GPU only with a starvation margin and p99 TTFT <= 5 s, "
               "and with twin verification (the default, last row) checks that in a short twin run, so it may open "
-              "more GPUs than the replay's verdict needs (here a fifth: infeasible for the pool).\n")
+              "more GPUs than the replay's verdict needs" + (
+                  f" (here {replayed['greedy-plus'][0]}: infeasible for the pool)"
+                  if replayed.get("greedy-plus", (0,))[0] > 4 else "") + ".\n")
     by = {(r["case"].split(" ")[0], r["policy"]): r for r in rows}
     fast, full = by[("1,280", "greedy-fast")], by[("1,280", "greedy")]
     big = by.get(("100,000", "greedy-fast"))
