@@ -5,9 +5,11 @@
 The scenarios mirror the published twin's measurements on this kind of machine (one core, one
 simulated hour): 1.2 s at 2 req/s (8 adapters), 5.4 s at 10 req/s (32 adapters, 16 slots), 14-18 s
 at 30-60 req/s (96-128 adapters, 32 slots, saturated), 39 s on average over the papers' workloads.
-Each scenario runs in a fresh process, once to warm the Numba cache, then ``repeats`` times; the
-best wall time is reported.  Memory: peak RSS of that process, and ``sim MB`` = peak RSS minus the
-RSS after importing the twin and loading its compiled kernel (what the simulation itself adds).
+Each scenario runs in a fresh process, once to warm the Numba cache, then ``repeats`` times, best
+kept; that is done ``TWIN_ROUNDS`` times round-robin over the scenarios, and the fastest round is
+reported with the slowest beside it (the machine's noise, in the report).  Memory: peak RSS of that
+process (its own high-water mark), and ``sim MB`` = peak RSS minus the RSS after importing the twin
+and loading its compiled kernel (what the simulation itself adds); the largest over the rounds.
 Saturated scenarios are also timed with ``early_stop`` (alternating with the full run in one process:
 separate processes differ by more than the saving) to show what stopping certainly-starving runs saves.
 
@@ -118,18 +120,33 @@ def _run(scenario: dict, repeats: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_twin(out: str | None = None, repeats: int = 3) -> list[str]:
+#: bench twin runs every scenario this many times, round-robin (a fresh process each): this VM has
+#: slow spells of several seconds that best-of-``repeats`` inside one process cannot step around
+TWIN_ROUNDS = 3
+
+
+def bench_twin(out: str | None = None, repeats: int = 3, rounds: int = TWIN_ROUNDS) -> list[str]:
+    scenarios = [(name, published, target, scenario_dict(BASE["profile"], adapters,
+                                                         engine=dict(BASE["engine"], max_loras=slots),
+                                                         duration_s=BASE["duration_s"], seed=BASE["seed"]))
+                 for name, published, target, adapters, slots in SCENARIOS]
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in scenarios}
+    with tqdm(total=rounds * len(scenarios), desc="bench twin", unit="run") as bar:
+        for _ in range(rounds):
+            for name, _p, _t, sc in scenarios:
+                runs[name].append(_run(sc, repeats))
+                bar.update(1)
     rows = []
-    for name, published, target, adapters, slots in tqdm(SCENARIOS, desc="bench twin", unit="scenario"):
-        sc = scenario_dict(BASE["profile"], adapters, engine=dict(BASE["engine"], max_loras=slots),
-                           duration_s=BASE["duration_s"], seed=BASE["seed"])
-        r = _run(sc, repeats)
+    for name, published, target, sc in scenarios:
+        r = min(runs[name], key=lambda x: x["cpu_s"])          # the fastest round; its spread is reported
         hours = sc["duration_s"] / 3600
         row = {"scenario": name, "wall_s_per_sim_hour": r["wall_s"] / hours, "cpu_s_per_sim_hour": r["cpu_s"] / hours,
+               "cpu_s_per_sim_hour_rounds": [x["cpu_s"] / hours for x in runs[name]],
                "published_s": published, "target_50x_s": TARGETS_50X_S.get(name),
                "target_s": target, "speedup_vs_published": published / (r["wall_s"] / hours),
                "steps_per_s": r["steps"] / r["wall_s"], "requests_per_s": r["requests"] / r["wall_s"],
-               "peak_rss_mb": r["peak_rss_mb"], "sim_rss_mb": r["peak_rss_mb"] - r["base_rss_mb"],
+               "peak_rss_mb": max(x["peak_rss_mb"] for x in runs[name]),
+               "sim_rss_mb": max(x["peak_rss_mb"] - x["base_rss_mb"] for x in runs[name]),
                "starving": r["starving"]}
         if "early" in r:
             e = r["early"]
@@ -139,13 +156,14 @@ def bench_twin(out: str | None = None, repeats: int = 3) -> list[str]:
             row["early_stop_saving"] = 1 - e["cpu_s"] / r["cpu_s"]
         rows.append(row)
     lines: list[str] = []          # the report: lora-opt bench prints it
-    lines.append(f"{'scenario':<66} {'s/sim-h':>8} {'CPU s':>7} {'target':>7} {'x publ.':>8} {'steps/s':>10} "
-          f"{'req/s':>9} {'RSS MB':>7} {'sim MB':>7}  early stop")
+    lines.append(f"{'scenario':<66} {'s/sim-h':>8} {'CPU s':>7} {'slowest':>7} {'target':>7} {'x publ.':>8} "
+                 f"{'steps/s':>10} {'req/s':>9} {'RSS MB':>7} {'sim MB':>7}  early stop")
     for r in rows:
         es = (f"stop at {r['early_stop_at_s']:.0f} s, saves {100 * r['early_stop_saving']:.0f} %"
               if r.get("early_stop_at_s") is not None else
               ("starving, bound never certain" if r["starving"] else "-"))
-        lines.append(f"{r['scenario']:<66} {r['wall_s_per_sim_hour']:8.3f} {r['cpu_s_per_sim_hour']:7.3f} {r['target_s']:7.2f} "
+        lines.append(f"{r['scenario']:<66} {r['wall_s_per_sim_hour']:8.3f} {r['cpu_s_per_sim_hour']:7.3f} "
+              f"{max(r['cpu_s_per_sim_hour_rounds']):7.3f} {r['target_s']:7.2f} "
               f"{r['speedup_vs_published']:8.0f} {r['steps_per_s']:10,.0f} {r['requests_per_s']:9,.0f} "
               f"{r['peak_rss_mb']:7.0f} {r['sim_rss_mb']:7.0f}  {es}")
     _dump(out, rows)
