@@ -185,6 +185,12 @@ def growth_case(policy: str = "greedy", small: int = 1_000, large: int = 10_000,
             "rows_ratio": rows[large] / rows[small]}
 
 
+def case_label(name: str, opts: dict) -> str:
+    """A case's policy as the tables name it: the policy, then its options, e.g.
+    ``greedy-plus (verify_s=0.0, oracle=distilled)``."""
+    return name + ("" if not opts else " (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")")
+
+
 def case_rows(repeats: int = 3, cases=None) -> list[dict]:
     """``cases`` (default ``PLACE_CASES``: the papers' setting for every oracle policy), CPU seconds,
     best of ``repeats``; twin verification once."""
@@ -196,8 +202,7 @@ def case_rows(repeats: int = 3, cases=None) -> list[dict]:
         pol = get_policy(name, **opts)
         pol.place(wl, pool, ctx)                         # warm
         reps = 1 if name == "greedy-plus" and opts.get("verify_s", 1) else repeats
-        label = name + ("" if not opts else " (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")")
-        rows.append({"case": case, "policy": label, **time_place(pol, wl, pool, ctx, reps),
+        rows.append({"case": case, "policy": case_label(name, opts), **time_place(pol, wl, pool, ctx, reps),
                      "paper_s": paper, "target_s": target})
     return rows
 

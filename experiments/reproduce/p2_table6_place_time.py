@@ -9,7 +9,7 @@ the row says what the fast answers are worth, not only how fast they come.
 from __future__ import annotations
 
 from . import Context, Row, md_table, pyplot, save_figure
-from lora_opt.benchmarks_place import PLACE_CASES, SCALING_RATES, bench_workload, case_rows
+from lora_opt.benchmarks_place import PLACE_CASES, SCALING_RATES, bench_workload, case_label, case_rows
 from lora_opt.io import atomic_write_json
 from lora_opt.placement.evaluate import evaluate_placement
 from lora_opt.placement.policies import PlacementContext, get_policy
@@ -44,8 +44,7 @@ def replay_verdicts(cases) -> dict:
         wl = wl or bench_workload(n, rates)
         p = get_policy(name, **opts).place(wl, pool, PlacementContext.for_workload(wl))
         ev = evaluate_placement(p, wl, workers=1, progress=False)
-        label = name + ("" if not opts else " (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")")
-        out[label] = (ev["gpus_used"], ev["gpus_starving"], ev["served_fraction"])
+        out[case_label(name, opts)] = (ev["gpus_used"], ev["gpus_starving"], ev["served_fraction"])
     return out
 
 

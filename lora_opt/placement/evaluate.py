@@ -116,13 +116,14 @@ GRACE_S = 60.0
 
 
 def check_grace_below_window(grace_s: float, window_s: float, grace: str, window: str, *, note: str = "",
-                             error: type[Exception] = ScenarioError) -> None:
+                             hint: str = "", error: type[Exception] = ScenarioError) -> None:
     """The starvation verdict judges the requests that arrive ``grace_s`` before the end of the
     window: a grace of the whole window or more leaves none due, and every GPU would pass unjudged.
-    ``grace`` / ``window`` name the caller's own fields in the message (``note`` follows the grace)."""
+    ``grace`` / ``window`` name the caller's own fields in the message (``note`` follows the grace,
+    ``hint`` ends the message)."""
     if not grace_s < window_s:
         raise error(f"{grace} {grace_s:g} s{note} must be below {window} {window_s:g} s "
-                    "(otherwise no request is due and every GPU passes)")
+                    f"(otherwise no request is due and every GPU passes){hint}")
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,8 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
         raise ScenarioError("placement: no GPUs to evaluate")
     T = duration_s or wl.evaluation.duration_s
     check_finite(grace_s, "evaluate --grace-s", 0.0)
-    check_grace_below_window(grace_s, T, "evaluate --grace-s:", "the replayed duration (--duration-s)")
+    check_grace_below_window(grace_s, T, "evaluate --grace-s:", "the replayed duration (--duration-s)",
+                             hint="; 0 = benchmark_serving's definition")
     problems = [q for q in placement_problems(p, None, include_startup=False) if "does not exist" in q
                 or "unknown adapter" in q or "weights" in q]
     if problems:
