@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_opt.calibration.realruns import smape
+from lora_opt.smape import smape
 from lora_opt.io import atomic_write_json, atomic_write_text
 from lora_opt.placement.policies.base import bundled_surrogate_dir
 from lora_opt.surrogates.oracle import Surrogate

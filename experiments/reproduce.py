@@ -8,7 +8,7 @@ The run logs the row's params and metrics, tags the row's text (``reproduce.*``)
 figure, ``table.md`` and ``row.json`` as artifacts; the same files are written under
 ``experiments/reproduce/results/<name>/`` (or ``--out``).  ``--quick`` runs the quick set at
 reduced size (results that need long twin runs shrink or are skipped); ``python
-experiments/results_section.py`` then rewrites the README's Results section from the runs.
+experiments/results_section.py`` then rewrites the Results page's table (docs/results.md) from the runs.
 """
 from __future__ import annotations
 

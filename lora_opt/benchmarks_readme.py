@@ -86,6 +86,34 @@ def twin_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def speed_table(twin_rows: list, fleet_doc: dict) -> str:
+    """The README's speed table: issue 25's targets -- the single-engine kernel on the three
+    reference scenarios (``bench twin``, x the published twin as measured for the issue), the fleet
+    twin against independent engines and its growth in N (``bench fleet``)."""
+    lines = ["| benchmark | measured (CPU, this 2-core machine) | target |", "|---|---|---|"]
+    for r in twin_rows:
+        t50 = r.get("target_50x_s")
+        if not t50:
+            continue
+        cpu = r.get("cpu_s_per_sim_hour", r["wall_s_per_sim_hour"])
+        lines.append(f"| twin, {r['scenario']} | {cpu:.3f} s per simulated hour = {50 * t50 / cpu:.0f}x the published twin "
+                     f"({50 * t50:g} s); peak RSS {r['peak_rss_mb']:.0f} MB | >= 50x, <= 200 MB |")
+    for row in fleet_doc["fleet"]:
+        fleets = row["fleets"].values()
+        static = [f["ratio"] for f in fleets if f["adapters"] == "static"]
+        on_demand = ", ".join(f"{f['router']} {f['ratio']:.2f}x" for f in fleets if f["adapters"] == "on-demand")
+        worst = max(fleets, key=lambda f: f["cpu_s"])
+        n = row["engines"]
+        target = "<= 2x, <= 60 s" if n == 100 and row["simulated_s"] >= 3600 else "-"
+        lines.append(f"| fleet twin, {n:,} engine{'s' if n > 1 else ''}, {row['simulated_s'] / 60:g} min of "
+                     f"{fleet_doc['trace']} ({row['requests']:,} requests) | vs {n:,} independent "
+                     f"engine{'s' if n > 1 else ''} ({row['independent_cpu_s']:.2f} s): static adapters "
+                     f"{min(static):.2f}x-{max(static):.2f}x over the {len(static)} routers; on demand: "
+                     f"{on_demand or 'not run'}; slowest {worst['router']}/{worst['adapters']} {worst['cpu_s']:.2f} s "
+                     f"| {target} |")
+    return "\n".join(lines)
+
+
 def replace_block(text: str, name: str, body: str, source: str) -> str:
     """``text`` with the block ``name`` (markers included) replaced by ``body`` between fresh
     markers; InputError if the README has no such block (or two)."""
@@ -93,8 +121,12 @@ def replace_block(text: str, name: str, body: str, source: str) -> str:
     return readme_blocks.replace_block(text, f"<!-- bench:{name}:begin", END.format(name=name), block)
 
 
-def render_readme(text: str, place_doc: dict | None, twin_rows: list | None, place_src: str, twin_src: str) -> str:
-    """README text with every block whose JSON is given regenerated."""
+def render_readme(text: str, place_doc: dict | None, twin_rows: list | None, place_src: str, twin_src: str,
+                  fleet_doc: dict | None = None, fleet_src: str = "") -> str:
+    """README text with every block whose JSON is given regenerated (``fleet_doc`` with the twin's
+    rows: the ``speed`` block instead of the ``twin`` one)."""
+    if fleet_doc is not None and twin_rows is not None:
+        return replace_block(text, "speed", speed_table(twin_rows, fleet_doc), f"{twin_src} and {fleet_src}")
     if place_doc is not None:
         text = replace_block(text, "place-cases", place_cases_table(place_doc), place_src)
         text = replace_block(text, "place-scaling", place_scaling_table(place_doc), place_src)

@@ -1,4 +1,6 @@
-"""The errors lora-opt reports as bad input (exit status 2, a message, no traceback).
+"""The errors lora-opt reports as bad input (exit status 2, a message, no traceback), and every
+exit status a command returns (the one definition: the CLI, ``lora_opt.placement.report`` and
+``lora_opt.validate.report`` import them from here; ``tests/test_one_owner.py`` keeps it so).
 
 Two kinds, one per layer: the twin's ``ScenarioError`` for scenario and profile fields (the twin knows
 nothing of lora_opt), and ``InputError`` for everything lora-opt reads itself -- CLI flags, workload,
@@ -17,3 +19,22 @@ class InputError(ValueError):
 
 #: what the CLI reports as bad input (exit status 2)
 BAD_INPUT = (InputError, ScenarioError)
+
+
+# Exit statuses of every ``lora-opt`` command (``lora-opt --help`` lists them: lora_opt.cli.conventions'
+# EPILOG).  Library code returns them too (a placement's verdict, validate's outcome), so they live here,
+# importable without the CLI.
+#: success
+EXIT_OK = 0
+#: bad input: a flag, file or field (``BAD_INPUT``; the message names it and the allowed values)
+EXIT_BAD_INPUT = 2
+#: it ran, but the result is not acceptable (outputs still written): a placement that starves or does
+#: not start (evaluate), a pool too small (place: infeasible), no feasible point (search, pareto),
+#: requests failed (validate), a probe family failed (probe)
+EXIT_NOT_ACCEPTABLE = 3
+#: place: the placement has instances that would not start (written, no launch commands)
+EXIT_NOT_DEPLOYABLE = 4
+#: validate: the live side was measured and written, the twin step failed
+EXIT_TWIN_FAILED = 5
+#: interrupted (Ctrl-C); what was finished is kept
+EXIT_INTERRUPTED = 130

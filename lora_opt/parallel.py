@@ -26,7 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 import twin
-from lora_opt import settings  # noqa: F401  (no-network environment before Ray starts)
+from lora_opt import no_network_env  # noqa: F401  (no-network environment before Ray starts)
 from twin.scenario import scenario_from_dict
 
 
@@ -63,7 +63,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, **kwargs)
     else:
         reaper = start_ray_reaper()       # before ray.init: a kill during its 5-10 s is covered too
-        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (lora_opt.settings) keeps the local node on 127.0.0.1
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (lora_opt.no_network_env) keeps the local node on 127.0.0.1
         ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=200 * 1024**2, **kwargs)
         if reaper is not None:
             reaper.tell(ctx.address_info.get("session_dir") or "")

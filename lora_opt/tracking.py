@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import twin
-from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
+from lora_opt import no_network_env  # noqa: F401  (MLflow telemetry off before mlflow is imported)
 from twin.errors import ScenarioError
 from twin.profile import load_profile
 

@@ -3,28 +3,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_scenarios import PROFILE, small_scenario  # noqa: F401  (the `small` fixture; PROFILE for tests)
 
-import lora_opt.settings  # noqa: F401  (no telemetry, Ray on loopback)
-
-PROFILE = "llama-3.1-8b-h100-64gb"
-
-
-def small_scenario(**over):
-    """A scenario small enough for per-step invariant checks."""
-    sc = {
-        "profile": PROFILE,
-        "engine": {"max_loras": 4, "max_lora_rank": 16, "max_num_seqs": 64, "max_num_batched_tokens": 512},
-        "adapters": [{"count": 6, "rank": 8, "rate": 0.5}, {"count": 4, "rank": 16, "rate": 1.0}],
-        "duration_s": 60,
-        "seed": 1,
-    }
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(sc.get(k), dict):
-            sc[k] = {**sc[k], **v}
-        else:
-            sc[k] = v
-    return sc
-
+import lora_opt.no_network_env  # noqa: F401  (no telemetry, Ray on loopback)
 
 #: an empty MLflow store with its schema made, copied into each test's own store
 _MLFLOW_TEMPLATE: list[Path] = []

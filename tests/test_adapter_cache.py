@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import twin
-from conftest import small_scenario
+from small_scenarios import small_scenario
 from twin.adapter_cache import POLICIES, AdapterCachePolicy
 from twin.scenario import ADAPTER_CACHE_POLICIES, scenario_from_dict
 from twin.workload import generate_requests

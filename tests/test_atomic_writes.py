@@ -24,7 +24,7 @@ DIRECT_WRITES = re.compile(r"""open\([^)]*["'][wax]b?\+?["']|\.write_text\(|\.wr
 #: launched vLLM server streams into while it runs (`probe --launch`), which no rename could make whole
 NOT_OUTPUTS = {("lora_opt/emulate/bench.py", "Path(path).write_text(yaml.safe_dump(scenario))"),
                ("lora_opt/emulate/bench.py", "Path(path).write_text(yaml.safe_dump(CAPACITY_SCENARIO))"),
-               ("lora_opt/validate/probe_launch.py", 'log = open(self.log_path, "wb")')}
+               ("lora_opt/probe/launch.py", 'log = open(self.log_path, "wb")')}
 
 
 def test_no_module_writes_a_file_except_through_lora_opt_io():

@@ -10,13 +10,14 @@ import pytest
 import yaml
 
 from lora_opt.calibration import profile_fit as cal
-from lora_opt.calibration.families import family_rows
+from lora_opt.calibration.runs_csv import family_rows
 from twin.errors import ScenarioError
 from twin.paths import PROFILES_DIR, REPO_ROOT
 from twin.profile import load_profile
 
 RUNS = REPO_ROOT / "data" / "real_runs" / "real_runs_vllm_lora.csv"
-MODELS = {m: e.profile_name for m, e in cal.MODELS.items()}
+#: the setups fitted on the real-run CSV (a probe-fitted one, e.g. the CPU tier's, has no runs there)
+MODELS = {m: e.profile_name for m, e in cal.MODELS.items() if e.fitted_from == "real_runs"}
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +209,134 @@ def test_expected_distinct_adapters():
 def test_weights_from_config():
     assert cal.weights_gib(cal.MODELS["llama-3.1-8b-instruct"]) == pytest.approx(14.96, abs=0.01)
     assert cal.weights_gib(cal.MODELS["llama-2-7b"]) == pytest.approx(12.55, abs=0.01)
+
+
+# ---- lora-opt probe rows: only positive costs reach a profile (issue 23) -------------------------
+PROBE_BASE = "llama-3.1-8b-h100-64gb"
+
+
+def _probe_rows(path: Path, *, per_ctx: float = 0.06, disk_ms: float = 70.0, edit=None) -> Path:
+    """Probe rows (lora-opt probe's CSV) of a made-up server: decode step = 11 + 0.03 B + per_ctx ctx_k
+    ms; TTFT = 20 + 0.02 P ms; LoRA r8 x (1 + 0.3 + 0.02 D); loads 6 ms (CPU) and ``disk_ms`` (disk)
+    per adapter.  ``edit(rows)`` changes rows (dicts by run_name) before writing."""
+    from lora_opt.probe.plan import ProbeContext
+    from lora_opt.validate.ingest import rows_csv
+
+    ctx = ProbeContext("tiny", 1.0, {"max_num_batched_tokens": 2048, "max_loras": 8, "max_lora_rank": 8,
+                                     "enable_lora": True})
+    rows = {}
+    for b in (1, 4, 16):
+        for p in (32, 448):
+            ck = b * (p + 32) / 1000
+            rows[f"decode_b{b}_p{p}"] = ctx.row("decode", f"decode_b{b}_p{p}",
+                                                probe_step_ms=11 + 0.03 * b + per_ctx * ck, probe_batch=b,
+                                                probe_ctx_ktokens_mean=ck, probe_prompt_tokens=p)
+    for p in (256, 510):
+        rows[f"prefill_p{p}"] = ctx.row("prefill", f"prefill_p{p}", probe_ttft_ms=20 + 0.02 * p + 11.03,
+                                        probe_prompt_tokens=p, probe_batch=1)
+    for d in (1, 4, 8):
+        ck = 8 * 0.16
+        step = (11 + 0.24 + per_ctx * ck) * (1.3 + 0.02 * d)
+        rows[f"lora_r8_b8_d{d}"] = ctx.row("lora", f"lora_r8_b8_d{d}", probe_step_ms=step, probe_batch=8,
+                                           probe_ctx_ktokens_mean=ck, probe_distinct_adapters=d)
+    rows["load_cpu_r8"] = ctx.row("loading", "load_cpu_r8", probe_load_kind="cpu", probe_load_ms_per_adapter=6.0)
+    rows["load_disk_r8"] = ctx.row("loading", "load_disk_r8", probe_load_kind="disk",
+                                   probe_load_ms_per_adapter=6.0 + disk_ms)
+    if edit is not None:
+        edit(rows)
+    path.write_text(rows_csv(list(rows.values())))
+    return path
+
+
+def _calibrate_cli(runs: Path, out: Path, capsys) -> tuple[int, str]:
+    from lora_opt.cli import main as cli_main
+
+    rc = cli_main(["calibrate", "--runs", str(runs), "--model", PROBE_BASE, "--out", str(out), "--no-track"])
+    return rc, capsys.readouterr().err
+
+
+def test_probe_rows_of_positive_costs_calibrate(tmp_path, capsys):
+    rc, err = _calibrate_cli(_probe_rows(tmp_path / "rows.csv"), tmp_path / "p.yaml", capsys)
+    assert rc == 0, err
+    p = load_profile(str(tmp_path / "p.yaml"))
+    assert p.latency.per_ctx_ktoken_ms == pytest.approx(0.06, rel=1e-3)
+    assert p.latency.per_token_ms == pytest.approx(0.02, rel=0.05)
+    assert p.loading.cpu_to_gpu_ms[8] == pytest.approx(6.0) and p.loading.disk_to_cpu_ms[8] == pytest.approx(70.0)
+
+
+def test_calibrate_refuses_ok_rows_with_non_positive_costs(tmp_path, capsys):
+    """The issue's rows: a window 'ok' with a 0.0 ms step (all tokens in one read) and a -12 ms load
+    'ok': exit 2, the rows named, no traceback, nothing written."""
+    def edit(rows):
+        rows["decode_b1_p32"]["probe_step_ms"] = 0.0
+        rows["load_cpu_r8"]["probe_load_ms_per_adapter"] = -12.0
+        rows["prefill_p256"]["probe_ttft_ms"] = float("nan")
+    out = tmp_path / "p.yaml"
+    rc, err = _calibrate_cli(_probe_rows(tmp_path / "rows.csv", edit=edit), out, capsys)
+    assert rc == 2 and err.startswith("lora-opt calibrate: error:") and "Traceback" not in err
+    assert "decode_b1_p32 (probe_step_ms 0)" in err and "load_cpu_r8 (probe_load_ms_per_adapter -12)" in err
+    assert "prefill_p256 (probe_ttft_ms nan)" in err and "3 probe row(s)" in err
+    assert not out.exists()
+    # rows a probe marked noisy are left out, not refused
+    def noisy(rows):
+        edit(rows)
+        for name in ("decode_b1_p32", "load_cpu_r8", "load_disk_r8", "prefill_p256"):
+            rows[name]["status"] = "noisy"
+        rows["prefill_p300"] = {**rows["prefill_p510"], "run_name": "prefill_p300", "probe_prompt_tokens": 300,
+                                "probe_ttft_ms": 20 + 0.02 * 300 + 11.03}
+    rc, err = _calibrate_cli(_probe_rows(tmp_path / "rows.csv", edit=noisy), out, capsys)
+    assert rc == 0, err
+    assert load_profile(str(out)).loading == load_profile(PROBE_BASE).loading     # not identified: kept
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("per_ctx", ["decode per_ctx_ktoken_ms = ", "decode_b1_p32", "decode_b16_p448"]),
+    ("disk", ["loading disk_to_cpu_ms r8 = -2", "load_cpu_r8", "load_disk_r8"]),
+    ("prefill", ["prefill per_token_ms = 0 ", "prefill_p256, prefill_p510"]),
+    ("lora", ["lora r8 jump = ", "lora_r8_b8_d1"]),
+])
+def test_calibrate_refuses_fitted_costs_that_are_not_positive(tmp_path, capsys, case, expect):
+    """Rows each positive, fits that are not: a step that does not grow with context, a disk load
+    below the CPU load, TTFT falling with the prompt (the fit's per-token cost stops at 0), LoRA steps
+    faster than the same batch without LoRA (a distinct-adapter slope of 0 is not refused: it is what
+    vLLM's CPU build measures, and the fit says so -- test_probe_fit_accepts_a_zero_slope)."""
+    def prefill(rows):
+        rows["prefill_p256"]["probe_ttft_ms"], rows["prefill_p510"]["probe_ttft_ms"] = 40.0, 30.0
+
+    def lora(rows):
+        for d, v in ((1, 8.0), (4, 8.1), (8, 7.9)):
+            rows[f"lora_r8_b8_d{d}"]["probe_step_ms"] = v
+    kw = {"per_ctx": {"per_ctx": 0.0}, "disk": {"disk_ms": -2.0}, "prefill": {"edit": prefill},
+          "lora": {"edit": lora}}[case]
+    out = tmp_path / "p.yaml"
+    rc, err = _calibrate_cli(_probe_rows(tmp_path / "rows.csv", **kw), out, capsys)
+    assert rc == 2 and "Traceback" not in err and "costs that are not positive" in err, err
+    assert all(e in err for e in expect), err
+    assert not out.exists()
+
+
+def test_probe_fit_accepts_a_zero_slope(tmp_path, capsys):
+    """LoRA steps that do not grow with distinct adapters (vLLM's CPU LoRA ops): the slope is not demanded
+    by the F-test, so the profile has slope 0 and the jump alone, and the fit records the test."""
+    def flat(rows):
+        for d, v in ((1, 16.0), (4, 16.2), (8, 15.9)):
+            rows[f"lora_r8_b8_d{d}"]["probe_step_ms"] = v
+    rc, err = _calibrate_cli(_probe_rows(tmp_path / "rows.csv", edit=flat), tmp_path / "p.yaml", capsys)
+    assert rc == 0, err
+    p = load_profile(str(tmp_path / "p.yaml"))
+    assert p.latency.lora[8].slope == 0.0 and p.latency.lora[8].jump > 0.3
+    test = p.fit["estimators"]["lora"]["rank_8"]["slope_test"]
+    assert test["fitted"] is False and test["p_value"] >= 1e-3
+
+
+def test_calibrate_names_the_rows_when_too_few_are_ok(tmp_path, capsys):
+    """Real vLLM on 2 shared cores: single-stream windows come in bursts (noisy); the refusal lists every
+    decode row with its status."""
+    def edit(rows):
+        for name in list(rows):
+            if name.startswith(("decode_b1_", "decode_b4_")):
+                rows[name]["status"] = "noisy"
+    rc, err = _calibrate_cli(_probe_rows(tmp_path / "rows.csv", edit=edit), tmp_path / "p.yaml", capsys)
+    assert rc == 2 and "fewer than 3 ok decode runs" in err and "Traceback" not in err, err
+    assert "decode_b1_p32 noisy" in err and "decode_b16_p448 ok" in err
+    assert not (tmp_path / "p.yaml").exists()

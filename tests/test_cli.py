@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import small_scenario
+from small_scenarios import small_scenario
 from twin.paths import REPO_ROOT, SCENARIOS_DIR
 from twin.simulate import RESULT_KEYS
 

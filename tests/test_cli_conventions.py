@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import small_scenario
+from small_scenarios import small_scenario
 from lora_opt import cli
-from lora_opt.cli.conventions import (EPILOG, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK,
-                                      setup_logging, verbosity)
+from lora_opt.cli.conventions import EPILOG, setup_logging, verbosity
+from lora_opt.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.report import (MARGIN_CEILING, MARGIN_FLOOR, MARGIN_STARVING, margin_cell,
                                        placement_table, table_notes)
@@ -73,9 +73,8 @@ def test_help_lists_exit_statuses_and_environment(capsys):
     assert "MLFLOW_TRACKING_URI" in text and "OPTUNA_STORAGE" in text and EPILOG.splitlines()[0] in text
 
 
-def test_readme_documents_the_same_exit_statuses():
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split("## Command-line conventions", 1)[1].split("\n## ", 1)[0]
+def test_docs_document_the_same_exit_statuses():
+    section = (REPO_ROOT / "docs" / "reference" / "conventions.md").read_text()
     for code in (EXIT_OK, EXIT_BAD_INPUT, EXIT_NOT_ACCEPTABLE, EXIT_INTERRUPTED):
         assert f"| {code} |" in section, code
     for flag in ("-v", "-q", "--log-file", "MLFLOW_TRACKING_URI", "OPTUNA_STORAGE"):
@@ -234,14 +233,14 @@ def test_evaluate_units_and_exit_status_3_when_a_gpu_does_not_start(tmp_path, ca
 
 
 def test_fidelity_help_example_is_a_family_with_report_half_runs():
-    from lora_opt.calibration import realruns
     from lora_opt.calibration.model_table import FIT_HALF
     from lora_opt.calibration.replay import select_runs
+    from lora_opt.calibration.runs_csv import load_runs
 
     sub = next(a for a in cli.build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     help_text = " ".join(sub.choices["fidelity"].format_help().split())
     family = re.search(r"e\.g\. (\S+?):", help_text).group(1)
-    rows = select_runs(realruns.load_runs(), family)
+    rows = select_runs(load_runs(), family)
     report = [e for m, e in zip(rows["model"], rows["experiment"]) if FIT_HALF.get(m, "\0") not in e]
     assert len(rows) >= 20 and len(report) == len(rows)
 

@@ -1,4 +1,4 @@
-"""The dashboards of the ``[ui]`` extra over what lora-opt wrote, as the README runs them:
+"""The dashboards of the ``[ui]`` extra over what lora-opt wrote, as the docs run them (docs/concepts/tracking.md):
 ``mlflow server`` over the tracking store (experiments, runs and registered models found through
 MLflow's REST API) and ``optuna-dashboard`` over a search's study (its trials through its HTTP API).
 Skipped, saying why, without the extra (full ``mlflow`` and ``optuna-dashboard``)."""
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _script(name: str) -> str:
-    """The console script of this interpreter's environment (the README's command)."""
+    """The console script of this interpreter's environment (the docs' command)."""
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else (shutil.which(name) or name)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import small_scenario
+from small_scenarios import small_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_completion_and_chat_non_streaming(server):
                                                    "ignore_eos": True}).json()
         assert r["object"] == "text_completion" and r["choices"][0]["finish_reason"] == "length"
         assert r["usage"] == {"prompt_tokens": 50, "total_tokens": 57, "completion_tokens": 7,
-                              "prompt_tokens_details": None}
+                              "prompt_tokens_details": None, "completion_tokens_details": None}
         assert len(r["choices"][0]["text"].split()) == 7
         r = c.post(server + "/v1/chat/completions", json={
             "model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [{"role": "user", "content": "x" * 40}],
@@ -176,25 +176,101 @@ def test_metrics_have_vllm_v1_names(server):
     ('{"model": "a1", "prompt": ', 400, "BadRequestError"),                          # malformed JSON
     ('{"model": "a1", "prompt": "x", "max_tokens": "ten"}', 400, "BadRequestError"),  # wrong type
     ('{"model": "a1", "prompt": 5}', 400, "BadRequestError"),
-    ('{"model": "a1", "prompt": "x", "stream": "yes"}', 400, "BadRequestError"),
+    ('{"model": "a1", "prompt": "x", "stream": "sometimes"}', 400, "BadRequestError"),
     ('{"model": "nope", "prompt": "x"}', 404, "NotFoundError"),                      # unknown adapter
     ('{"model": "a1", "prompt": "x", "max_tokens": 200000}', 400, "BadRequestError"),  # over max_model_len
     ('{"model": "a1", "prompt": "x", "max_tokens": 2, "min_tokens": 3}', 400, "BadRequestError"),
     ('[1, 2]', 400, "BadRequestError"),
 ])
-def test_bad_requests_get_vllm_status_and_error_json(server, body, status, type_):
+def test_bad_requests_get_vllm_085_status_and_flat_error(server, body, status, type_):
+    """The bundled profile says vLLM 0.8.5: its flat error, no param, the refusal of prompt +
+    max_tokens over max_model_len (0.8.5 did not clamp)."""
     with _client() as c:
         r = c.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status
-    body_json = r.json()
-    assert set(body_json) == {"error"}                           # vLLM 0.33's ErrorResponse envelope
-    err = body_json["error"]
-    assert set(err) == {"message", "type", "param", "code"}
+    err = r.json()
+    assert set(err) == {"object", "message", "type", "param", "code"} and err["object"] == "error"
     assert err["type"] == type_ and err["code"] == status and err["param"] is None
     if "200000" in body:
-        assert err["message"].startswith("This model's maximum context length is 131072 tokens.")
+        assert err["message"].startswith("This model's maximum context length is 131072 tokens. However, you "
+                                         "requested 200001 tokens (1 in the messages, 200000 in the completion).")
     if "nope" in body:
         assert err["message"] == "The model `nope` does not exist."
+
+
+@pytest.fixture(scope="module")
+def server_033(tmp_path_factory):
+    """The same instance imitating vLLM 0.33 (``--vllm-version``), with a model directory whose
+    config.json gives the vocabulary (4,096) and the context (``max_position_embeddings`` 2,048)."""
+    model = tmp_path_factory.mktemp("model")
+    (model / "config.json").write_text(json.dumps({"vocab_size": 4096, "max_position_embeddings": 2048}))
+    port = _free_port()
+    emu = Emulator(["--profile", "llama-3.1-8b-h100-64gb", "--lora-modules", "a0=/x/a0", "a1=/x/a1",
+                    "--max-lora-rank", "16", "--model", str(model), "--served-model-name", "tiny",
+                    "--vllm-version", "0.33", "--port", str(port), "--speed", "20"])
+    try:
+        yield f"http://127.0.0.1:{port}", str(model)
+    finally:
+        emu.stop()
+
+
+@pytest.mark.parametrize("body, status, type_, param, message", [
+    ({"prompt": [1, 2], "max_tokens": 2, "temperature": -1}, 400, "BadRequestError", "temperature",
+     "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"),
+    ({"prompt": [1, 2], "max_tokens": 2, "top_p": 1.5}, 400, "BadRequestError", "top_p",
+     "top_p must be in (0, 1], got 1.5. (parameter=top_p, value=1.5)"),
+    ({"prompt": [1, 5000], "max_tokens": 2}, 400, "BadRequestError", None, "Token id 5000 is out of vocabulary"),
+    ({"prompt": [1, -2], "max_tokens": 2}, 400, "Bad Request", "body.prompt.1", None),
+    ({"prompt": [1, 2], "max_tokens": 2, "stream_options": {"include_usage": True}}, 400, "BadRequestError",
+     "stream_options", "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    ({"prompt": [1, 2], "max_tokens": 3000}, 400, "BadRequestError", "max_tokens",
+     "max_tokens=3000 cannot be greater than max_model_len=2048. Please request fewer output tokens. "
+     "(parameter=max_tokens, value=3000)"),
+    ({"prompt": [1] * 2100, "max_tokens": 2}, 400, "BadRequestError", "input_tokens", None),
+    ({"prompt": [1, 2], "max_tokens": "ten"}, 400, "Bad Request", "body.max_tokens",
+     "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid "
+     "integer, unable to parse string as an integer', 'input': 'ten'}"),
+    ({"model": "zz", "prompt": [1, 2]}, 404, "NotFoundError", "model",
+     "The model `zz` does not exist. Valid aliases: tiny."),
+])
+def test_vllm_033_errors_name_the_field(server_033, body, status, type_, param, message):
+    url, _ = server_033
+    with _client() as c:
+        r = c.post(url + "/v1/completions", json=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == (type_, param, status)
+    if message is not None:
+        assert err["message"] == message
+
+
+def test_vllm_033_clamps_max_tokens_and_reports_its_version(server_033):
+    url, model = server_033
+    with _client() as c:
+        assert c.get(url + "/version").json() == {"version": "0.33.0"}
+        card = c.get(url + "/v1/models").json()["data"][0]
+        assert (card["id"], card["root"], card["max_model_len"]) == ("tiny", model, 2048)
+        r = c.post(url + "/v1/completions", json={"prompt": [1] * 2040, "max_tokens": 100, "ignore_eos": True})
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = c.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True, "n": 3})
+        assert len(r.json()["choices"]) == 3 and r.json()["usage"]["completion_tokens"] == 6
+        tok = c.post(url + "/tokenize", json={"prompt": "abcdefgh"}).json()
+        assert tok["count"] >= 1 and tok["max_model_len"] == 2048 and len(tok["tokens"]) == tok["count"]
+        # a body nested past the JSON parser's depth: FastAPI's 400, never a 500 traceback
+        r = c.post(url + "/v1/completions", content=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json() == {"detail": "There was an error parsing the body"}
+        r = c.post(url + "/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and "Unsupported Media Type" in r.json()["error"]["message"]
+
+
+def test_unknown_vllm_version_is_refused_cleanly():
+    r = subprocess.run([sys.executable, "-m", "lora_opt.cli", "emulate", "--profile", "llama-3.1-8b-h100-64gb",
+                        "--vllm-version", "0.7", "--port", str(_free_port())], capture_output=True, text=True,
+                       env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--vllm-version" in r.stderr and "0.32" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_client_disconnect_aborts_the_request(server):
@@ -343,20 +419,36 @@ def test_placement_fleet_one_instance_per_gpu_and_clean_sigterm(tmp_path):
                                                          "ignore_eos": True, "stream": True})
                 assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), model
             r = c.post(front + "/completions", json={"model": "zz", "prompt": "hi"})
-            assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-            # runtime adapter updates: unload makes it unknown, loading it back serves it again
+            assert r.status_code == 404 and r.json()["type"] == "NotFoundError"    # vLLM 0.8.5's flat error
+            # runtime adapter updates: unload makes it unknown, loading it back serves it again (at the
+            # end of /v1/models, as vLLM lists them)
             g0 = f"http://127.0.0.1:{base}"
+            adapter = tmp_path / "adapter"
+            adapter.mkdir()
+            (adapter / "adapter_config.json").write_text(json.dumps({"r": 8}))
+            (tmp_path / "big").mkdir()
+            (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({"r": 64}))
+            load = {"lora_path": str(adapter)}
             assert c.post(g0 + "/v1/unload_lora_adapter", json={"lora_name": "ad0"}).status_code == 200
             assert c.post(g0 + "/v1/completions", json={"model": "ad0", "prompt": "hi"}).status_code == 404
-            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "ad0", "lora_path": "p"}).status_code == 200
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "ad0", **load}).status_code == 200
             assert c.post(g0 + "/v1/completions", json={"model": "ad0", "prompt": "hi", "max_tokens": 2}).status_code == 200
+            assert [m["id"] for m in c.get(g0 + "/v1/models").json()["data"]][1:] == ["ad1", "ad2", "ad0"]
             # a new adapter takes a spare runtime slot, is listed and served; loading it twice is refused
-            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "p"}).status_code == 200
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", **load}).status_code == 200
             assert "new" in [m["id"] for m in c.get(g0 + "/v1/models").json()["data"]]
             r = c.post(g0 + "/v1/completions", json={"model": "new", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "p"}).status_code == 400
+            assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "new", **load}).status_code == 400
             assert c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "other"}).status_code == 400   # no path
+            # vLLM's answers: a path without an adapter 404, a rank above --max-lora-rank (16) refused with
+            # 400 (vLLM 0.32: 500, a server error for the client's mistake), an unknown unload 404
+            r = c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent/x"})
+            assert r.status_code == 404 and r.json()["message"] == "Loading lora x failed: No adapter found for " \
+                                                                  "/nonexistent/x"
+            r = c.post(g0 + "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(tmp_path / "big")})
+            assert r.status_code == 400 and r.json()["message"] == "LoRA rank 64 is greater than max_lora_rank 16."
+            assert c.post(g0 + "/v1/unload_lora_adapter", json={"lora_name": "never"}).status_code == 404
     finally:
         rc = emu.stop()
     assert ids == [["ad0", "ad1", "ad2"], ["ad2", "ad3", "ad4"]]

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twin
-from conftest import small_scenario
+from small_scenarios import small_scenario
 from twin.scenario import scenario_from_dict
 from twin.simulate import weighted_stats
 from twin.workload import generate_requests
@@ -315,20 +315,17 @@ def test_pre_draw_certificate_fires_near_the_cap_and_is_sound(small, lengths):
 @given(n_seqs=st.integers(1, 512), extra_tokens=st.integers(0, 4096), ctx=st.integers(0, 400_000),
        n_distinct=st.integers(0, 300), max_loras=st.integers(1, 384), rank=st.sampled_from([8, 16, 32, 64]),
        profile=st.sampled_from(["llama-3.1-8b-h100-64gb", "qwen-2.5-7b-h100-64gb", "llama-2-7b-h100-64gb",
-                                "tests/data/profile-0.33.yaml"]))
+                                "tests/data/profile-0.33.yaml", "tests/data/profile-cpu-knee.yaml"]))
 def test_engine_step_time_is_the_profile_step_model(n_seqs, extra_tokens, ctx, n_distinct, max_loras, rank,
                                                      profile):
     """The Numba kernel's step time and ``LatencySpec.model_ms`` + ``scheduler_ms`` (the one
     documented formula) agree, with the arguments ``twin.simulate`` passes."""
     from twin.engine_cost import step_seconds
-    from twin.engine_state import Latency
+    from twin.simulate import kernel_latency
     lat = twin.load_profile(profile).latency
-    lora = lat.lora_for_rank(rank)
     n_distinct = min(n_distinct, max_loras, n_seqs)
     n_tokens = n_seqs + extra_tokens
-    coefs = Latency(lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(max_loras),
-                    lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
-                    lat.sched_per_waiting_ms)
+    coefs = kernel_latency(lat, rank, max_loras)
     kernel = step_seconds(coefs, n_seqs, n_tokens, ctx, n_distinct, 0, 0, 0.0) * 1000.0
     model = lat.model_ms(n_seqs, n_tokens, ctx, n_distinct, rank, max_loras) + lat.scheduler_ms(0, 0)
     assert kernel == pytest.approx(model, rel=1e-12)

@@ -6,12 +6,14 @@ import sys
 import pytest
 
 from lora_opt.calibration import realruns
+from lora_opt.calibration.runs_csv import load_runs
+from lora_opt.smape import smape
 from twin.paths import REPO_ROOT
 from twin.scenario import scenario_from_dict
 
 
 def test_run_to_scenario_reproduces_recorded_rate_counts():
-    runs = realruns.load_runs()
+    runs = load_runs()
     rows = runs[runs["experiment"].str.contains("real_results") & runs["adapter_rate_counts"].notna()]
     for _, row in rows.head(40).iterrows():
         sc = realruns.run_to_scenario(row)
@@ -24,7 +26,7 @@ def test_run_to_scenario_reproduces_recorded_rate_counts():
 
 
 def test_smape():
-    assert realruns.smape([110, 90], [100, 100]) == pytest.approx((10 / 105 + 10 / 95) / 2 * 100)
+    assert smape([110, 90], [100, 100]) == pytest.approx((10 / 105 + 10 / 95) / 2 * 100)
 
 
 def test_fidelity_cli_small_family(tmp_path):

@@ -7,7 +7,7 @@ in-process.  Every outcome must be a valid result or the documented clean error
 limit), and a refused input may not allocate more than ``MEMORY_LIMIT`` (tracemalloc's peak).
 
 The default run is short (``FAST`` examples a category); ``pytest -m slow`` runs ``SLOW`` a
-category and prints the table of outcomes the README's Reliability section quotes.  The same table:
+category and prints the table of outcomes the Reliability page (docs/reliability.md) quotes.  The same table:
 ``python tests/test_fuzz_inputs.py [EXAMPLES]``.
 """
 from __future__ import annotations

@@ -148,11 +148,13 @@ def test_bundled_files_are_under_the_bundle_root():
     """Every path the code reads its bundled files from derives from the one resolver."""
     from lora_opt.calibration.model_table import MODEL_TABLE_PATH
     from lora_opt.placement.policies.base import SURROGATES_DIR
-    from lora_opt.placement.vllm_launch import SERVE_ARGS
+    from lora_opt.placement.vllm_launch import SERVE_ARG_TABLES
+    from twin.paths import VLLM_SERVE_ARGS_DIR
     from lora_opt.surrogates.dataset import GRIDS_DIR
     from twin.bundled_data import LENGTH_FILES, TRACES
 
-    for path in (MODEL_TABLE_PATH, SURROGATES_DIR, SERVE_ARGS, GRIDS_DIR, paths.REAL_RUNS_CSV,
+    for path in (MODEL_TABLE_PATH, SURROGATES_DIR, GRIDS_DIR, paths.REAL_RUNS_CSV,
+                 *(VLLM_SERVE_ARGS_DIR / name for name in SERVE_ARG_TABLES.values()),
                  *LENGTH_FILES.values(), *TRACES.values()):
         assert path.exists() and path.resolve().is_relative_to(paths.BUNDLE_ROOT), path
 

@@ -18,11 +18,16 @@ RUNS = REPO_ROOT / "data" / "real_runs" / "real_runs_vllm_lora.csv"
 
 
 def test_bundled_table():
-    assert sorted(MODELS) == ["llama-2-7b", "llama-3.1-8b-instruct", "qwen-2.5-7b-instruct"]
+    assert sorted(MODELS) == ["llama-2-7b", "llama-3.1-8b-instruct", "probe-llama", "qwen-2.5-7b-instruct"]
     assert GPUS["h100-64gb"].memory_gib == 63.43 and GPUS["h100-64gb"].name == "H100"
     assert {m.engine for m in MODELS.values()} == set(ENGINE_GENERATIONS)
     assert FIT_HALF == {"llama-3.1-8b-instruct": "/rank_16_", "qwen-2.5-7b-instruct": "/rank_16_",
-                        "llama-2-7b": "_rate_0.0125"}
+                        "llama-2-7b": "_rate_0.0125", "probe-llama": "ingested/cpu-fit"}
+    # the real-vLLM tier's CPU setup: fitted on probe rows only, its KV cache a fixed size, the front end
+    # the only end-to-end constant its validation runs fit
+    cpu = MODELS["probe-llama"]
+    assert (cpu.fitted_from, cpu.gpu.kv_cache_gib, cpu.e2e_fit, cpu.vllm_version) == ("probe", 1.0, ("frontend",), "0.32")
+    assert {m.fitted_from for k, m in MODELS.items() if k != "probe-llama"} == {"real_runs"}
     assert MODEL_PROFILES == {k: m.profile_name for k, m in MODELS.items()}
     assert realruns.MODEL_PROFILES is MODEL_PROFILES
     for key, m in MODELS.items():

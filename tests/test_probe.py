@@ -7,7 +7,10 @@ can come from the bundled profile the fit keeps its model dimensions from).
   constant the probe identifies within 5 % of the known profile;
 * a smoke variant in the default run (~25 s): the smoke plan at speed 2 (one rank), the CLI path,
   the start-up family (an emulator refusing to start), the MLflow run;
-* units: the serve command's parsing and re-flagging, the window arithmetic, KV from /metrics.
+* units: the serve command's parsing and re-flagging, the window arithmetic, KV from /metrics;
+* what cannot fool the probe (issue 23): windows without measurable gaps and loads <= 0 or within
+  their noise are ``noisy``; failure notes carry the HTTP status and the server's message; prompts
+  are drawn from the server's /tokenize ids and cut to its max_model_len (stub servers, fakes).
 """
 from __future__ import annotations
 
@@ -23,12 +26,12 @@ from test_emulate import ROOT, Emulator, _env, _free_port
 
 from lora_opt.calibration.probe_fit import calibrate_probe, is_probe_table
 from lora_opt.cli import main as cli_main
-from lora_opt.emulate.client import Record
+from lora_opt.emulate.client import Record, prompt_ids, server_error, server_prompt_tokens
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.vllm_launch import serve_command
-from lora_opt.validate.probe_compare import compare, table
-from lora_opt.validate.probe_launch import EMULATOR_IMPLIED_FLAGS, parse_serve_command, read_launch
-from lora_opt.validate.probe_measure import kv_tokens_from_metrics, window_step
+from lora_opt.probe.compare import compare, table
+from lora_opt.probe.launch import EMULATOR_IMPLIED_FLAGS, parse_serve_command, read_launch
+from lora_opt.probe.measure import failure_note, kv_tokens_from_metrics, load_verdict, window_noise, window_step
 from twin.profile import load_profile, profile_to_dict
 
 BASE = "llama-3.1-8b-h100-64gb"
@@ -37,9 +40,11 @@ KNOWN_LOADING = {"cpu_to_gpu_ms": {8: 6.6, 16: 8.0, 32: 11.0, 64: 17.0},
                  "disk_to_cpu_ms": {8: 68.0, 16: 92.0, 32: 139.0, 64: 232.0}}
 
 
-def known_profile(path) -> str:
+def known_profile(path, per_seq_ms: float | None = None) -> str:
     d = profile_to_dict(load_profile(BASE))
     d["name"], d["fit"] = "probe-known", {}
+    if per_seq_ms is not None:
+        d["latency"]["per_seq_ms"] = per_seq_ms
     d["latency"]["lora"] = {r: {"jump": j, "slope": s, "n_sat": math.inf, "ref_max_loras": 16.0, "slot_share": 0.0,
                                 "prefill_share": 0.25} for r, (j, s) in KNOWN_LORA.items()}
     d["loading"] = KNOWN_LOADING
@@ -54,8 +59,8 @@ def launch_line(port: int) -> str:
             "--disable-prefix-caching --no-async-scheduling --lora-modules a=adapters/a")
 
 
-def _probe(tmp_path, plan: str, speed: float, *extra) -> tuple[int, str]:
-    known = known_profile(tmp_path / "known.yaml")
+def _probe(tmp_path, plan: str, speed: float, *extra, per_seq_ms: float | None = None) -> tuple[int, str]:
+    known = known_profile(tmp_path / "known.yaml", per_seq_ms)
     server = f"{sys.executable} -m lora_opt.cli emulate --profile {known} --speed {speed:g}"
     rc = cli_main(["probe", "--launch", launch_line(_free_port()), "--server-cmd", server, "--speed", f"{speed:g}",
                    "--plan", plan, "--model", "probe-known", "--out", str(tmp_path / "probe"), *extra])
@@ -66,7 +71,7 @@ def _probe(tmp_path, plan: str, speed: float, *extra) -> tuple[int, str]:
 @pytest.mark.slow
 def test_quick_probe_recovers_known_profile_within_5_percent(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
-    import lora_opt.validate.probe as probe_mod
+    import lora_opt.probe.plan as probe_mod
     quick = probe_mod.PLANS["quick"]
     # + the start-up family: 16 slots start; 4096 slots of rank 64 (~1.5 TB) are refused as vLLM would
     monkeypatch.setitem(probe_mod.PLANS, "quick", type(quick)(**{**quick.__dict__, "startup_max_loras": (16, 4096)}))
@@ -88,15 +93,31 @@ def test_quick_probe_recovers_known_profile_within_5_percent(tmp_path, monkeypat
 # ---- the default-run variant -------------------------------------------------------------------
 def test_smoke_probe_calibrate_and_mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    rc, known = _probe(tmp_path, "smoke", 2.0, "--tracking-uri", uri)
-    out = tmp_path / "probe"
-    summary = json.loads((out / "summary.json").read_text())
+    # a window the client could not resolve is marked noisy (issue 23: never ok), and the remedy the
+    # probe prints is to run again: a plumbing test on a shared 2-core machine does so, up to 3 times
+    # (seen in a clean CI run: one adapter-load row within its own noise at speed 2)
+    for attempt in range(3):
+        base = tmp_path / f"try{attempt}"
+        base.mkdir()
+        uri = f"sqlite:///{base / 'mlflow.db'}"
+        # the 8B's 0.034 ms a sequence (0.3 ms at batch 16 and speed 2) is inside a smoke window's noise: calibrate
+        # rightly refused a fit of 0 on a clean CI run (stop 28). A plumbing test needs a per-sequence cost its
+        # four decode windows resolve, so its synthetic truth has 0.25 ms (the 7B's measured value); the 5 % claim
+        # on the 8B's own costs is the slow test's
+        rc, known = _probe(base, "smoke", 2.0, "--tracking-uri", uri, per_seq_ms=0.25)
+        summary = json.loads((base / "probe" / "summary.json").read_text())
+        if not any(v.get("noisy") for v in summary["families"].values()):
+            break
+    tmp_path, out = base, base / "probe"
     assert rc == 0 and {k: v["failed"] for k, v in summary["families"].items()} == \
-        {"kv": 0, "decode": 0, "prefill": 0, "lora": 0, "loading": 0}
+        {"kv": 0, "decode": 0, "prefill": 0, "lora": 0, "ttft_lora": 0, "loading": 0}
     assert is_probe_table(out / "rows.csv")
     prof = calibrate_probe(out / "rows.csv", BASE, tmp_path / "fitted.yaml")
     assert set(prof["latency"]["lora"]) == {8} and set(prof["loading"]["cpu_to_gpu_ms"]) == {8}
+    # the adapter's prefill share is fitted from lone prompts through it (plumbing: on the H100 profile an
+    # adapter adds ~2 ms to a 1,024-token TTFT, within this run's noise at speed 2)
+    assert prof["fit"]["estimators"]["lora_prefill_share"]["n_points"] == 2
+    assert 0 <= prof["latency"]["lora"][8]["prefill_share"] < 5
     rows = {n: e for n, _, _, e in compare(load_profile(known), load_profile(str(tmp_path / "fitted.yaml")), 8)}
     # a plumbing check (2 LoRA points, short windows at speed 2): the 5 % claim is the slow test's
     assert abs(rows["decode base_ms"]) < 0.05 and abs(rows["load r8 disk_to_cpu_ms"]) < 0.05
@@ -218,3 +239,252 @@ def test_live_endpoint_modes(tmp_path, monkeypatch):
         assert emu.stop() == 0
     fams = json.loads((tmp_path / "b" / "summary.json").read_text())["families"]
     assert rc == 0 and set(fams) == {"kv", "lora"} and fams["lora"]["ok"] == 2
+
+
+# ---- what cannot fool the probe (issue 23): unmeasurable windows and loads are noisy -----------
+def _window(times_per_stream, prompt=100):
+    return window_step([Record(0.0, prompt, len(t), token_times=list(t), status=200) for t in times_per_stream],
+                       prompt, 1.0)
+
+
+def test_a_window_whose_tokens_came_in_one_read_is_noisy_never_ok(monkeypatch):
+    """All tokens of every stream in one read: every gap is 0, the 'step' 0.0 ms -- not a measurement."""
+    import lora_opt.probe.plan as probe_mod
+
+    one_read = [[5.0] * 40 for _ in range(4)]
+    w = _window(one_read)
+    assert w["ok"] and w["step_ms"] == 0.0 and w["positive_gaps"] == 0
+    assert window_noise(w).startswith("no measurable token gaps")
+
+    runs = []
+
+    async def fake_batch_run(url, models, b, p, out, seed=0, prompts=None):
+        runs.append(seed)
+        return [Record(0.0, p, out, token_times=[5.0] * out, status=200) for _ in range(b)]
+    monkeypatch.setattr(probe_mod, "batch_run", fake_batch_run)
+    w = probe_mod.measured_window("http://x", ["m"], 4, 100, 40, 1.0, seed=0)
+    assert len(runs) == 1 + probe_mod.RETRIES                     # retried, then kept as noisy
+    row = probe_mod._step_row(probe_mod.ProbeContext("m", 1.0, {}), "decode", "decode_b4_p100", w, 4, 0, 100, 40)
+    assert row["status"] == "noisy" and "no measurable token gaps" in row["probe_note"]
+
+
+def test_window_noise_names_each_reason():
+    clean = {"positive_gaps": 100, "gaps": 100, "step_ms": 10.0, "burst_share": 0.0, "stream_spread": 0.0}
+    assert window_noise(clean) == ""
+    assert "<= 0" in window_noise({**clean, "step_ms": 0.0})
+    assert "<= 0" in window_noise({**clean, "step_ms": -1.0})
+    assert "bursts" in window_noise({**clean, "burst_share": 0.9})
+    assert "disagreed" in window_noise({**clean, "stream_spread": 0.5})
+    # a few timed gaps among many zero ones: still not resolved
+    assert window_noise({**clean, "positive_gaps": 2}).startswith("no measurable")
+
+
+def test_load_at_or_below_zero_or_within_its_noise_is_noisy(monkeypatch):
+    assert "<= 0" in load_verdict(100.0, [112.0, 111.0, 113.0])["noisy"]          # the issue's -12 ms
+    assert "<= 0" in load_verdict(100.0, [100.0, 100.0, 100.0])["noisy"]
+    v = load_verdict(106.0, [100.0, 96.0, 104.0])                                  # 6 ms, sd ~4.6 ms
+    assert v["load_ms"] == pytest.approx(6.0) and "within its noise" in v["noisy"]
+    v = load_verdict(200.0, [100.0, 101.0, 99.0])
+    assert v["noisy"] == "" and v["load_ms"] == pytest.approx(100.0) and v["noise_ms"] == pytest.approx(1.1547, rel=1e-3)
+
+    import lora_opt.probe.plan as probe_mod
+
+    async def fake_burst(url, pacer, names, speed, *, seed=0, timeout_s=120.0, prompts=None):
+        cold = 100.0 if seed == 1 else 400.0                                       # cpu: -12 ms; disk: clear
+        warm = [112.0, 111.0, 113.0]
+        return {"ok": True, "cold_ms": cold, "warm_ms": float(np.mean(warm)), "warm_spans_ms": warm,
+                **load_verdict(cold, warm)}
+    monkeypatch.setattr(probe_mod, "burst_load_ms", fake_burst)
+    ctx = probe_mod.ProbeContext("m", 1.0, {"max_lora_rank": 8, "enable_lora": True})
+    rows = {r["run_name"]: r for r in probe_mod.loading_family("http://x", ctx, "p", ["c0", "c1"], ["d0", "d1"],
+                                                               lambda: None)}
+    assert rows["load_cpu_r8"]["status"] == "noisy" and "<= 0" in rows["load_cpu_r8"]["probe_note"]
+    assert rows["load_cpu_r8"]["probe_load_ms_per_adapter"] == pytest.approx(-6.0)
+    assert rows["load_disk_r8"]["status"] == "ok" and rows["load_disk_r8"]["probe_note"] == ""
+
+
+# ---- failure notes carry the HTTP status and the server's message ------------------------------
+def test_failure_notes_carry_status_and_server_message():
+    nested = (b'HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 120\r\n\r\n'
+              b'{"error":{"message":"Token id 8038 is out of vocabulary","type":"BadRequestError",'
+              b'"param":"prompt","code":400}}')
+    assert server_error(400, nested) == "HTTP 400: BadRequestError: Token id 8038 is out of vocabulary (param prompt)"
+    flat = (b'HTTP/1.1 404 Not Found\r\ncontent-length: 99\r\n\r\n{"object":"error","message":"The model `x` does '
+            b'not exist.","type":"NotFoundError","param":null,"code":404}')
+    assert server_error(404, flat) == "HTTP 404: NotFoundError: The model `x` does not exist."
+    # vLLM 0.32 answers an out-of-vocabulary prompt of a *streamed* request 200 + an error event
+    chunk = b'data: {"error": {"message": "Token id 8038 is out of vocabulary", "type": "BadRequestError", ' \
+            b'"param": null, "code": 400}}\n\n'
+    sse = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk
+           + b"\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+    assert server_error(200, sse) == "HTTP 200: BadRequestError: Token id 8038 is out of vocabulary"
+    assert server_error(502, b"HTTP/1.1 502 Bad Gateway\r\n\r\n<html>bad gateway</html>") == \
+        "HTTP 502: <html>bad gateway</html>"
+    failed = Record(0.0, 10, 5, status=400, error=server_error(400, nested))
+    fine = Record(0.0, 10, 5, status=200, token_times=[1.0, 1.1, 1.2, 1.3, 1.4])
+    w = window_step([fine, failed], 10, 1.0)
+    assert not w["ok"] and "HTTP 400: BadRequestError: Token id 8038 is out of vocabulary" in w["why"]
+    short = Record(0.0, 500, 64, status=200, token_times=[1.0] * 12)
+    assert "ended after 12 of 64 tokens" in failure_note([short])
+
+
+# ---- prompts within the server's vocabulary and max_model_len ----------------------------------
+class _StubServer:
+    """/v1/models (max_model_len 512) and, when ``tokenize``, /tokenize answering ids 4..203."""
+
+    def __init__(self, tokenize: bool):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _json(self, code, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._json(200, {"object": "list", "data": [
+                    {"id": "tiny", "parent": None, "max_model_len": 512},
+                    {"id": "a", "parent": "tiny", "max_model_len": None}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                if tokenize:
+                    self._json(200, {"count": 400, "max_model_len": 512, "tokens": list(range(4, 204)) * 2})
+                else:
+                    self._json(404, {"detail": "Not Found"})
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_prompts_come_from_the_servers_tokenizer_and_fit_max_model_len():
+    import asyncio
+
+    stub = _StubServer(tokenize=True)
+    try:
+        pt = asyncio.run(server_prompt_tokens(stub.url))
+    finally:
+        stub.close()
+    assert pt.max_model_len == 512 and pt.ids == tuple(range(4, 204)) and "/tokenize" in pt.source
+    for k in range(50):
+        ids = pt.prompt(k, 300)
+        assert len(ids) == 300 and set(ids) <= set(pt.ids)
+    assert pt.prompt(1, 64) != pt.prompt(2, 64) and pt.prompt(1, 64) == pt.prompt(1, 64)
+    assert pt.longest(64, 2048) == 448 and pt.longest(2, 256) == 256
+    stub = _StubServer(tokenize=False)
+    try:
+        pt = asyncio.run(server_prompt_tokens(stub.url))
+    finally:
+        stub.close()
+    assert pt.ids == () and pt.max_model_len == 512 and "HTTP 404" in pt.source
+    assert pt.prompt(3, 5) == prompt_ids(3, 5) == [100 + (3 * 7919 + j) % 20000 for j in range(5)]   # unchanged
+
+
+def test_endpoint_mode_sends_no_prompt_longer_than_max_model_len(monkeypatch, tmp_path):
+    """--endpoint on a server with max_model_len 512: the plan's 512/2048-token prompts are cut so that
+    prompt + output fit (the issue: prefill prompts of 2,048 tokens went to a 512-token server)."""
+    import lora_opt.probe.plan as probe_mod
+    import lora_opt.probe.run as run_mod
+    from lora_opt.emulate.client import PromptTokens
+    from lora_opt.probe.plan import PLANS, ProbeOptions
+
+    sent = []
+
+    async def fake_batch_run(url, models, b, p, out, seed=0, prompts=None):
+        sent.append(("decode", p, out))
+        return [Record(0.0, p, out, token_times=[0.01 * j + 0.0001 * k for j in range(out)], status=200)
+                for k in range(b)]
+
+    async def fake_ttft(url, model, p, reps, speed, seed=0, prompts=None):
+        sent.append(("prefill", p, 2))
+        return [1.0 + p / 1000] * reps, ""
+    monkeypatch.setattr(probe_mod, "batch_run", fake_batch_run)
+    monkeypatch.setattr(probe_mod, "ttft_runs", fake_ttft)
+    monkeypatch.setattr(run_mod, "server_info", lambda url: {
+        "version": "0.32.0", "base": "tiny", "adapters": [], "kv_tokens": 1e6, "max_model_len": 512,
+        "prompts": PromptTokens((1, 2, 3), 512, "3 ids from POST /tokenize")})
+    rows, info = run_mod.probe_endpoint("http://x", ProbeOptions(plan=PLANS["smoke"], model="m", progress=False))
+    assert sent and all(p + out <= 512 for _, p, out in sent), sent
+    assert {p for f, p, _ in sent if f == "prefill"} == {256, 510}
+    assert {r["probe_prompt_tokens"] for r in rows if r["probe_family"] == "decode"} == {32, 448}
+    assert info["max_model_len"] == 512 and info["prompts"] == "3 ids from POST /tokenize"
+
+
+def test_tokens_merged_into_one_chunk_are_counted():
+    """vLLM's front end, behind its engine, sends several steps' tokens in one chunk (a real vLLM 0.32
+    stream of 64 tokens came as 62 chunks): with ``return_token_ids`` each chunk's ids are counted."""
+    import asyncio
+    import http.server
+    import threading
+    import time
+
+    from lora_opt.emulate.client import _one
+
+    events = [b'data: {"choices":[{"index":0,"text":"a","prompt_token_ids":[9,9],"token_ids":[5]}]}',
+              b'data: {"choices":[{"index":0,"text":"bcd","token_ids":[6, 7, 8]}]}',
+              b'data: {"choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"length"}]}',
+              b'data: {"choices":[{"index":0,"text":"e"}]}', b"data: [DONE]"]
+    bodies = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for ev in events:                     # one write per event, the second split in two
+                for part in ((ev[:30], ev[30:]) if b"bcd" in ev else (ev,)):
+                    self.wfile.write(part)
+                    self.wfile.flush()
+                    time.sleep(0.002)
+                self.wfile.write(b"\n\n")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        port = httpd.server_address[1]
+        counted, plain = Record(0.0, 2, 5), Record(0.0, 2, 5)
+        asyncio.run(_one("127.0.0.1", port, "/v1/completions", "m", counted, time.perf_counter(), [1, 2],
+                         count_token_ids=True))
+        asyncio.run(_one("127.0.0.1", port, "/v1/completions", "m", plain, time.perf_counter(), [1, 2]))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert bodies[0]["return_token_ids"] is True and "return_token_ids" not in bodies[1]
+    assert len(counted.token_times) == 5 and counted.done_marker and counted.error == ""   # 1 + 3 + 0 + 1 (no ids)
+    assert len(set(counted.token_times[1:4])) == 1                                       # merged: one arrival
+    assert len(plain.token_times) == 4                                                    # one per chunk
+
+
+def test_launch_commands_are_checked_against_the_chosen_vllm_release(tmp_path):
+    """probe --launch --vllm-version: every command it would start is checked against that release's
+    recorded vllm serve options before any starts (a 0.33 spelling refused for 0.32, nothing launched)."""
+    from lora_opt.cli import main
+    from lora_opt.probe.launch import parse_serve_command
+    from lora_opt.probe.plan import PLANS
+    from lora_opt.probe.run import launch_commands
+
+    base = parse_serve_command("vllm serve m --port 18999 --max-model-len 512 --disable-prefix-caching")
+    names = list(launch_commands(base, PLANS["full"], "a/r{rank}"))
+    assert names[0] == "no_lora" and "rank_8" in names and any(n.startswith("startup_a") for n in names)
+    cmd = "vllm serve m --port 18999 --max-model-len 512 --disable-prefix-caching"
+    assert main(["probe", "--launch", cmd, "--plan", "smoke", "--model", "m", "--vllm-version", "0.32",
+                 "--out", str(tmp_path / "p"), "--no-track"]) == 2
+    assert not (tmp_path / "p" / "logs").exists()
+    assert main(["probe", "--launch", cmd, "--plan", "smoke", "--model", "m", "--vllm-version", "9.1",
+                 "--out", str(tmp_path / "q"), "--no-track"]) == 2

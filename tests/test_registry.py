@@ -103,7 +103,7 @@ def test_promote_then_place_with_the_champion(store, tmp_path, capsys):
             "--verify-s", "0", "--json"]
     assert main([*args, "--out", str(tmp_path / "bundled")]) == 0
     bundled = json.loads(capsys.readouterr().out)
-    store["client"].set_registered_model_alias(STARVATION, "champion", 1)       # promote (README's recipe)
+    store["client"].set_registered_model_alias(STARVATION, "champion", 1)       # promote (the docs' recipe)
     assert main([*args, "--out", str(tmp_path / "registry"), "--surrogate", f"models:/{STARVATION}@champion"]) == 0
     from_registry = json.loads(capsys.readouterr().out)
     assert from_registry["gpus"] == bundled["gpus"] and bundled["gpus"]

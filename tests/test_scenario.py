@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import small_scenario
+from small_scenarios import small_scenario
 from twin import ScenarioError, load_scenario, scenario_from_dict
 from twin.paths import SCENARIOS_DIR
 

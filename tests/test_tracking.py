@@ -75,7 +75,7 @@ def test_default_store_is_under_the_current_directory(tmp_path, monkeypatch):
     uri = tracking.resolve_tracking_uri()
     assert uri == f"sqlite:///{tmp_path.resolve()}/mlruns/mlflow.db" and (tmp_path / "mlruns").is_dir()
     assert tracking.ui_command(uri) == "mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db"
-    # the README's relative form works as --tracking-uri too (artifacts beside the database)
+    # the docs' relative form (docs/concepts/tracking.md) works as --tracking-uri too (artifacts beside the database)
     shutil.copyfile(own_store, tmp_path / "mlruns" / "mlflow.db")        # an empty store (conftest)
     (tmp_path / "note.txt").write_text("x")
     run_id = tracking.log_command_run("unit", artifacts=[tmp_path / "note.txt"], tracking_uri="sqlite:///mlruns/mlflow.db")

@@ -21,7 +21,10 @@ import pytest
 
 from lora_opt.placement.plan import Adapter, GPUConfig, Placement
 from lora_opt.placement.report import write_outputs
-from lora_opt.placement.vllm_launch import SERVE_ARGS, serve_command, serve_options, validate_serve_args
+from lora_opt.errors import InputError
+from lora_opt.placement.vllm_launch import (DEFAULT_VLLM_VERSION, PINNED_SWITCHES, SERVE_ARG_TABLES, release_of,
+                                            resolve_vllm_version, serve_arg_table, serve_command, serve_options,
+                                            switch_spelling, validate_serve_args)
 from twin import ScenarioError
 from twin.parsing import MAX_ID_CHARS, MAX_PATH_CHARS, check_adapter_id, check_adapter_path
 from twin.profile import load_profile
@@ -74,26 +77,57 @@ def test_the_edge_cases_are_accepted_by_the_rule():
         assert path is None or check_adapter_path(path, "path") == path
 
 
-def test_recorded_table_is_vllm_033s():
-    doc = json.loads(SERVE_ARGS.read_text())
-    assert doc["vllm"] == "0.33.0" and len(doc["options"]) > 300
+@pytest.mark.parametrize("release", list(SERVE_ARG_TABLES))
+def test_recorded_tables_are_their_releases(release):
+    doc = serve_arg_table(release)
+    assert release_of(doc["vllm"]) == release and len(doc["options"]) > 300
     for name in ("--lora-modules", "--max-loras", "--enable-lora", "--max-lora-rank"):
-        assert name in serve_options()
+        assert name in serve_options(release)
 
 
-def test_emitted_arguments_match_the_recorded_option_table():
-    """Each emitted option exists in vLLM 0.33.0's table, with a value of its type/choices (flags
+@pytest.mark.parametrize("release", list(SERVE_ARG_TABLES))
+def test_emitted_arguments_match_the_recorded_option_table(release):
+    """Each emitted option exists in the release's table, with a value of its type/choices (flags
     without one); each --lora-modules value is the adapter's name=path as vLLM splits it."""
-    opts = serve_options()
+    opts = serve_options(release)
     for p in _edge_placements():
-        argv = serve_command(p, 0, MODEL)
-        assert validate_serve_args(argv) == [], validate_serve_args(argv)
+        argv = serve_command(p, 0, MODEL, vllm_version=release)
+        assert validate_serve_args(argv, release) == [], validate_serve_args(argv, release)
         for arg in argv[3:]:
             if arg.startswith("--"):
                 assert arg in opts, arg
         expected = [(a.id, a.path or f"adapters/{a.id}") for a in p.adapters]
         assert [tuple(v.split("=")) for v in _modules(argv)] == expected      # vLLM: name, path = v.split("=")
         assert all("," not in v for v in _modules(argv))                      # ',' would send it down JSON
+
+
+def test_switch_spellings_follow_each_releases_parser():
+    """Prefix caching off: 0.32's parser has only --no-enable-prefix-caching, the recorded 0.33 table only
+    --disable-prefix-caching (its EnableDisableAction pairing), so each release gets its own; async
+    scheduling off has one spelling valid in both, and both get it."""
+    assert switch_spelling(PINNED_SWITCHES[0], "0.32") == "--no-enable-prefix-caching"
+    assert switch_spelling(PINNED_SWITCHES[0], "0.33") == "--disable-prefix-caching"
+    assert {switch_spelling(PINNED_SWITCHES[1], v) for v in SERVE_ARG_TABLES} == {"--no-async-scheduling"}
+    p = _placement(["a"], [None])
+    assert validate_serve_args(serve_command(p, 0, MODEL, vllm_version="0.33"), "0.32") == \
+        ["unknown option --disable-prefix-caching"]
+
+
+def test_release_resolution():
+    assert resolve_vllm_version(None) == DEFAULT_VLLM_VERSION
+    assert resolve_vllm_version(None, "0.8.5") == DEFAULT_VLLM_VERSION      # no table for 0.8.5: the newest
+    assert resolve_vllm_version(None, "0.32.0") == "0.32"
+    assert resolve_vllm_version("0.32.0+cpu", "0.33.0") == "0.32"           # the flag wins
+    with pytest.raises(InputError, match=r"--vllm-version: '0.8.5': lora-opt has vllm serve option tables for "
+                                         r"0.32, 0.33"):
+        resolve_vllm_version("0.8.5", error=InputError)
+
+
+def test_place_refuses_an_unknown_vllm_version(tmp_path):
+    from lora_opt.cli import main
+    assert main(["place", "--workload", "example", "--gpus", "4", "--emit-vllm", "--vllm-version", "9.9",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
 
 
 def test_serve_commands_file_keeps_one_command_per_gpu_that_splits_back(tmp_path):

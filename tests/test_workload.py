@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import small_scenario
+from small_scenarios import small_scenario
 from twin.scenario import scenario_from_dict
 from twin.workload import (SHAREGPT_MU_IN, SHAREGPT_MU_OUT, SHAREGPT_TARGET_MEANS, TRACES, _sharegpt_draw,
                            generate_requests, load_trace)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from numba import njit
 
 import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.profile import lora_extra, lora_prefill_share
+
+_lora_extra = njit(cache=True)(lora_extra)
+_prefill_share = njit(cache=True)(lora_prefill_share)
 
 
 @njit(cache=True)
@@ -13,12 +17,14 @@ def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, l
     read, ``n_distinct`` adapters, ``n_running`` running and ``n_scanned`` waiting requests visited
     by the scheduler, ``load_ms`` of adapter loads.  ``lat``: ``twin.engine_state.Latency``.
     The LoRA factor multiplies the per-sequence (decode-like) part; prefill tokens beyond one per
-    sequence pay ``lora_prefill_share`` of the extra cost."""
+    sequence pay ``lora_prefill_share`` of the extra cost (``lora_prefill_share_above`` in a step of
+    more than ``lora_prefill_knee`` tokens)."""
     decode = lat.base_ms + lat.per_seq_ms * n_seqs + lat.per_ctx_ktoken_ms * ctx / 1000.0
     prefill = lat.per_token_ms * (n_tokens - n_seqs)
     if n_distinct > 0:
-        extra = lat.lora_jump + lat.lora_slope * n_distinct / (1.0 + n_distinct / lat.lora_nsat)
-        model = decode * (1.0 + extra) + prefill * (1.0 + lat.lora_prefill_share * extra)
+        extra = _lora_extra(lat.lora_jump, lat.lora_slope, lat.lora_nsat, n_distinct)
+        share = _prefill_share(lat.lora_prefill_share, lat.lora_prefill_share_above, lat.lora_prefill_knee, n_tokens)
+        model = decode * (1.0 + extra) + prefill * (1.0 + share * extra)
     else:
         model = decode + prefill
     sched = lat.sched_base_ms + lat.sched_per_running_ms * n_running + lat.sched_per_waiting_ms * n_scanned

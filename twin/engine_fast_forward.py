@@ -1,6 +1,6 @@
 """Fast forward: a step in which every running request decoded one token, and nothing was
 admitted, preempted, loaded or finished, repeats identically (one more token each, context + 1
-per request) until an arrival, a finish, a KV block shortage, a time-series sample, an early-stop
+per request) until an arrival (or the fleet driver's ``horizon``), a finish, a KV block shortage, a time-series sample, an early-stop
 check or the end.  Those steps are taken here without touching the requests -- the same numbers,
 bit for bit, as stepping; only the block allocations (periodic in the block size) are counted."""
 from __future__ import annotations
@@ -42,8 +42,9 @@ def _decode_horizon(s):
 
 @njit(cache=True)
 def _must_stop(s):
-    """Something other than decoding happens now: the end, an arrival, a sample or a stop check."""
-    if s.t >= s.cfg.duration or (s.next_arr < s.n_req and s.arrival[s.next_arr] <= s.t):
+    """Something other than decoding happens now: the end, an arrival (one known, or one a fleet's
+    router may still send: ``s.horizon``), a sample or a stop check."""
+    if s.t >= s.cfg.duration or s.t >= s.horizon or (s.next_arr < s.n_req and s.arrival[s.next_arr] <= s.t):
         return True
     if s.ts_next < s.n_ts and s.ts_next * s.cfg.ts_interval <= s.t:
         return True
@@ -91,3 +92,4 @@ def skip_steady_steps(s):
         n += 1
     if n > 0:
         _catch_up(s, n)
+        s.ctx = ctx - n_batch        # the last step's context: a fleet's driver may resume from here

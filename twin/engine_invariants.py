@@ -5,7 +5,12 @@ import numpy as np
 from numba import njit
 
 import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
+from twin.adapter_cache import POLICIES
 from twin.engine_schedule import LORA_SET_RUNNING
+
+#: the policy under which a batch's adapters all hold GPU slots at the step's end (under FIFO a
+#: later load of the same step can evict an adapter the batch uses: loaded longest ago, used now)
+_LRU = POLICIES["lru"].code
 
 
 @njit(cache=True)
@@ -43,6 +48,9 @@ def check_invariants(s, t_end):
         n_distinct = _distinct_adapters(s, s.batch, s.n_batch)
     if n_distinct > s.cfg.max_loras:
         raise AssertionError("more distinct adapters than max_loras in the LoRA set")
+    for j in range(s.n_batch if s.cfg.cache_policy == _LRU else 0):
+        if s.gpu_res[s.req_adapter[s.batch[j]]] == 0:
+            raise AssertionError("a request ran without its adapter in a GPU slot")
     if s.n_gpu > s.cfg.max_loras or s.gpu_res.sum() != s.n_gpu:
         raise AssertionError("more adapters resident in GPU slots than max_loras")
     if s.n_cpu > s.cfg.max_cpu_loras or s.cpu_res.sum() != s.n_cpu:

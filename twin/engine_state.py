@@ -45,7 +45,8 @@ _CONFIG_TYPES = ([types.int64] * 7 + [types.boolean, types.boolean, types.int64,
 
 Latency = namedtuple("Latency", [
     "base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms", "lora_jump", "lora_slope",
-    "lora_nsat", "lora_prefill_share", "sched_base_ms", "sched_per_running_ms", "sched_per_waiting_ms"])
+    "lora_nsat", "lora_prefill_share", "sched_base_ms", "sched_per_running_ms", "sched_per_waiting_ms",
+    "lora_prefill_knee", "lora_prefill_share_above"])
 """The profile's step-time estimators (ms); see ``twin.engine_cost``."""
 
 EarlyStop = namedtuple("EarlyStop", [
@@ -96,6 +97,8 @@ _FIELDS = [
     # early stop
     ("stopped_at", types.float64), ("next_stop_check", types.float64),
     ("inflight_tokens", types.int64), ("pool_cost", _f8), ("pool_tokens", _i8),
+    # a fleet's driver: requests not routed yet may arrive from this time on (twin.engine_fleet)
+    ("horizon", types.float64),
     # the current step
     ("budget", types.int64), ("n_batch", types.int64), ("n_set", types.int64),
     ("n_tokens", types.int64), ("ctx", types.int64), ("admitted", types.int64),
@@ -204,6 +207,7 @@ def _init_counters(s):
     s.running_area, s.waiting_area = 0.0, 0.0
     s.stopped_at, s.next_stop_check, s.inflight_tokens = -1.0, 0.0, 0
     s.pool_cost, s.pool_tokens = s.stop.bucket_cost_s.copy(), s.stop.bucket_tokens.copy()
+    s.horizon = np.inf
     s.budget, s.n_batch, s.n_set, s.n_tokens, s.ctx = 0, 0, 0, 0, 0
     s.admitted, s.scanned, s.preempted, s.load_ms = 0, 0, False, 0.0
     s.n_distinct, s.finished_now = 0, 0

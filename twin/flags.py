@@ -24,6 +24,7 @@ part of the user-facing formats and do not change):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from twin.errors import ScenarioError
@@ -34,6 +35,17 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: integer flags that must be >= 1 when set, in the order they are checked
 _AT_LEAST_ONE = ("max_loras", "max_num_seqs", "max_num_batched_tokens", "max_cpu_loras", "max_model_len")
+
+
+_RELEASE = re.compile(r"\s*v?(\d+)\.(\d+)")
+
+
+def release_key(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string (``0.32.0+cpu``, ``0.8.5``, ``v0.33.0``), or None when it
+    is not one (``unreachable``, ``HTTP 404``, ``?``): the one parser of vLLM versions (launch flags,
+    admission rules, the emulator's imitated release)."""
+    m = _RELEASE.match(version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 class EngineFlagChecks:
@@ -68,6 +80,18 @@ class EngineFlagChecks:
             raise error(f"{where}.max_num_batched_tokens: {tokens} must be >= max_num_seqs {seqs} "
                         "(vLLM refuses to start: 'max_num_batched_tokens must be greater than or "
                         "equal to max_num_seqs')")
+
+
+def max_lora_rank_for(ranks) -> int:
+    """``--max-lora-rank`` for adapters of these ranks: the smallest of ``VLLM_LORA_RANKS`` >= every
+    rank.  The one definition (a scenario's default, a placement's GPU flags, a surrogate grid point,
+    the emulator's flags; ``tests/test_one_owner.py`` keeps it so)."""
+    top = max(ranks)
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= top:
+            return allowed
+    raise ScenarioError(f"adapter rank {top}: above vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]} "
+                        f"(allowed values: {list(VLLM_LORA_RANKS)})")
 
 
 def check_rank(rank: int, where: str, error: type[Exception] = ScenarioError) -> None:

@@ -35,17 +35,20 @@ CONFIGS_DIR = BUNDLE_ROOT / "configs"
 PROFILES_DIR = CONFIGS_DIR / "profiles"
 SCENARIOS_DIR = CONFIGS_DIR / "scenarios"
 WORKLOADS_DIR = CONFIGS_DIR / "workloads"
+#: day-long demand drifts (``lora-opt schedule --drift day``)
+DRIFT_DIR = CONFIGS_DIR / "drift"
 GRIDS_DIR = CONFIGS_DIR / "grids"
 SURROGATES_DIR = CONFIGS_DIR / "surrogates"
 MODEL_TABLE_PATH = CONFIGS_DIR / "models.yaml"
 DATA_DIR = BUNDLE_ROOT / "data"
-#: the option table of vLLM 0.33.0's ``vllm serve`` parser (``--emit-vllm`` checks against it)
-VLLM_SERVE_ARGS = DATA_DIR / "reference" / "vllm_serve_args-0.33.0.json"
+#: the option tables of ``vllm serve``, one per vLLM release, each recorded from that release's own
+#: parser (``vllm_serve_args-<version>.json``; ``--emit-vllm`` and ``probe --launch`` check against them)
+VLLM_SERVE_ARGS_DIR = DATA_DIR / "reference"
 #: the real vLLM runs calibration and fidelity read
 REAL_RUNS_CSV = DATA_DIR / "real_runs" / "real_runs_vllm_lora.csv"
 
 #: the kinds of input addressable by name: directory and what it holds
-NAMED_KINDS = {"profile": PROFILES_DIR, "workload": WORKLOADS_DIR, "scenario": SCENARIOS_DIR}
+NAMED_KINDS = {"profile": PROFILES_DIR, "workload": WORKLOADS_DIR, "scenario": SCENARIOS_DIR, "drift": DRIFT_DIR}
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 

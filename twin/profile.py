@@ -102,6 +102,26 @@ class MemorySpec:
     """Multiplier on the code-derived per-rank slot size (1.0 = exactly vLLM's buffer shapes)."""
     block_size: int = 16
     """KV block size in tokens."""
+    kv_cache_gib: float = 0.0
+    """A KV cache of this fixed size (GiB), whatever the weights, LoRA slots and utilisation leave:
+    vLLM's CPU build allocates ``VLLM_CPU_KVCACHE_SPACE`` GiB.  0 = a GPU's start-up accounting."""
+
+
+def lora_extra(jump, slope, n_sat, n_distinct):
+    """The LoRA cost factor's extra part, ``jump + slope*n/(1 + n/n_sat)``, for ``n_distinct`` >= 1
+    distinct adapters in a batch (a step's LoRA factor is ``1 + extra``).  The one definition: the
+    profile's estimator, the calibration fits and the engine kernel (compiled with Numba) call it;
+    floats or numpy arrays."""
+    return jump + slope * n_distinct / (1.0 + n_distinct / n_sat)
+
+
+def lora_prefill_share(share, share_above, knee_tokens, n_tokens):
+    """The share of the LoRA extra a step's prefill tokens pay (``twin.engine_cost.step_seconds``):
+    ``share`` in a step of up to ``knee_tokens`` tokens, ``share_above`` in a larger one.  vLLM's CPU
+    build gathers one copy of the adapter's matrices per token; where that stops fitting in the cache
+    the cost per token steps up (measured: ``experiments/real_validation/cpu_launch_check.py``).  The one
+    definition: the profile's estimator and the engine kernel (compiled with Numba) call it."""
+    return share if n_tokens <= knee_tokens else share_above
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,8 @@ class LoraOverheadSpec:
     ``extra(n, A) = jump * (1 - slot_share + slot_share * A / ref_max_loras)
     + slope * n / (1 + n / n_sat)`` for n >= 1 distinct adapters in the batch and A = max_loras
     slots (0 for n = 0).  The per-sequence (decode) part of a step is multiplied by ``1 + extra``,
-    prefill tokens by ``1 + prefill_share * extra``.  ``n_sat = inf`` is the papers' linear model.
+    prefill tokens by ``1 + prefill_share * extra`` (``prefill_share_above`` in a step of more than
+    ``prefill_knee_tokens`` tokens).  ``n_sat = inf`` is the papers' linear model.
     """
 
     jump: float
@@ -128,6 +149,19 @@ class LoraOverheadSpec:
     prefill_share: float = 1.0
     """Share of the LoRA extra cost paid by prefill tokens (compute-bound GEMMs hide part of it);
     1 = the papers' model, the whole step is multiplied."""
+    prefill_knee_tokens: float = math.inf
+    """Tokens in a step above which its prefill tokens pay ``prefill_share_above`` instead of
+    ``prefill_share`` (vLLM's CPU build: about 8,192 / ``max_lora_rank`` on a 32 MiB L3, where the
+    per-token adapter gather leaves the cache); inf = one share (every GPU profile)."""
+    prefill_share_above: float | None = None
+    """``prefill_share`` in a step above ``prefill_knee_tokens`` tokens (None = ``prefill_share``)."""
+
+    @property
+    def share_above(self) -> float:
+        return self.prefill_share if self.prefill_share_above is None else self.prefill_share_above
+
+    def prefill_share_at(self, n_tokens: int) -> float:
+        return lora_prefill_share(self.prefill_share, self.share_above, self.prefill_knee_tokens, n_tokens)
 
     def jump_at(self, max_loras: int) -> float:
         return self.jump * (1.0 - self.slot_share + self.slot_share * max_loras / self.ref_max_loras)
@@ -135,7 +169,7 @@ class LoraOverheadSpec:
     def extra(self, n_adapters: int, max_loras: int) -> float:
         if n_adapters <= 0:
             return 0.0
-        return self.jump_at(max_loras) + self.slope * n_adapters / (1.0 + n_adapters / self.n_sat)
+        return lora_extra(self.jump_at(max_loras), self.slope, self.n_sat, n_adapters)
 
 
 @dataclass(frozen=True)
@@ -179,7 +213,7 @@ class LatencySpec:
         extra = lora.extra(n_adapters, max_loras)
         decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0
         prefill = self.per_token_ms * (n_tokens - n_seqs)
-        return decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share * extra)
+        return decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share_at(n_tokens) * extra)
 
     def scheduler_ms(self, n_running: int, n_scanned: int) -> float:
         return self.sched_base_ms + self.sched_per_running_ms * n_running + self.sched_per_waiting_ms * n_scanned
@@ -281,12 +315,14 @@ class Profile:
                            max_num_seqs: int | None = None) -> int:
         """KV-cache tokens vLLM allocates at start-up (a multiple of the block size; <= 0 = OOM).
         ``max_num_seqs`` None = the value the overhead was measured at."""
+        block_bytes = self.memory.block_size * self.model.kv_bytes_per_token
+        if self.memory.kv_cache_gib > 0:
+            return math.floor(self.memory.kv_cache_gib * GIB / block_bytes) * self.memory.block_size
         budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
         used = self.non_kv_bytes(max_num_batched_tokens, max_num_seqs)
         if enable_lora:
             used += max_loras * self.slot_bytes(max_lora_rank)
         avail = budget - used
-        block_bytes = self.memory.block_size * self.model.kv_bytes_per_token
         blocks = math.floor(avail / block_bytes)
         return blocks * self.memory.block_size
 
@@ -300,7 +336,7 @@ class Profile:
                                      max_num_batched_tokens, max_num_seqs=max_num_seqs)
         budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
         weights_and_slots = self.memory.weights_gib * GIB + max_loras * self.slot_bytes(max_lora_rank)
-        if weights_and_slots > budget:
+        if weights_and_slots > budget and self.memory.kv_cache_gib <= 0:
             return False, max(kv, 0), "LoRA slots do not fit: CUDA OOM while loading the model"
         if kv < mml:
             return False, max(kv, 0), (f"KV cache holds {max(kv, 0)} tokens < max_model_len {mml}: "
@@ -347,10 +383,16 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
     )
 
 
+_KNEE_DEFAULTS = {"prefill_knee_tokens": math.inf, "prefill_share_above": None}
+
+
 def profile_to_dict(p: Profile) -> dict:
     out = dataclasses.asdict(p)
     out.pop("source", None)
-    out["latency"]["lora"] = {int(r): dataclasses.asdict(v) for r, v in p.latency.lora.items()}
+    # the knee's fields at their defaults are left out: profiles without a knee read and write as before
+    out["latency"]["lora"] = {int(r): {k: v for k, v in dataclasses.asdict(e).items()
+                                       if not (k in _KNEE_DEFAULTS and v == _KNEE_DEFAULTS[k])}
+                              for r, e in p.latency.lora.items()}
     return out
 
 

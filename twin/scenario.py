@@ -19,7 +19,7 @@ from twin.adapter_cache import POLICIES as CACHE_POLICIES
 from twin.arrivals import PROCESSES
 from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
-from twin.flags import VLLM_LORA_RANKS, EngineFlags, check_rank
+from twin.flags import EngineFlags, check_rank, max_lora_rank_for
 from twin.parsing import build_dataclass, check_adapter_id, check_choice, check_positive, read_config_file
 from twin.paths import resolve_bundled
 from twin.profile import Profile, load_profile
@@ -177,7 +177,7 @@ class Scenario:
         _, ranks, _ = self.adapter_table()
         max_rank = e.max_lora_rank
         if max_rank is None:
-            max_rank = next(r for r in VLLM_LORA_RANKS if r >= max(ranks))
+            max_rank = max_lora_rank_for(ranks)
         max_loras = e.max_loras if e.max_loras is not None else d.max_loras
         return dict(
             max_loras=max_loras, max_lora_rank=max_rank,

@@ -108,13 +108,19 @@ class Result:
         return {k: getattr(self, k) for k in RESULT_KEYS}
 
 
-def _initial_residency(n_ad: int, max_loras: int, max_cpu_loras: int):
+def _initial_residency(n_ad: int, max_loras: int, max_cpu_loras: int, preloaded: np.ndarray | None = None):
     """vLLM loads ``--lora-modules`` in order at start-up, each into the CPU cache and a GPU slot,
-    so the last ``max_cpu_loras`` stay in CPU and the last ``max_loras`` in GPU slots."""
-    idx = np.arange(n_ad)
-    stamp = (idx + 1).astype(np.int64)
-    gpu = (idx >= n_ad - max_loras).astype(np.int64)
-    cpu = (idx >= n_ad - max_cpu_loras).astype(np.int64)
+    so the last ``max_cpu_loras`` stay in CPU and the last ``max_loras`` in GPU slots.
+    ``preloaded``: the adapters (indices) given as ``--lora-modules``, in order; default all of
+    them in table order (an on-demand engine of a fleet also serves adapters it did not preload)."""
+    order = np.arange(n_ad) if preloaded is None else np.asarray(preloaded, np.int64)
+    pos = np.arange(order.shape[0])
+    gpu = np.zeros(n_ad, np.int64)
+    cpu = np.zeros(n_ad, np.int64)
+    gpu[order[pos >= order.shape[0] - max_loras]] = 1
+    cpu[order[pos >= order.shape[0] - max_cpu_loras]] = 1
+    stamp = np.zeros(n_ad, np.int64)
+    stamp[order] = pos + 1
     return gpu, cpu, stamp * gpu, stamp * cpu
 
 
@@ -132,6 +138,16 @@ def max_token_rate(profile: Profile, max_num_batched_tokens: int, max_lora_rank:
 WORK_BUCKETS = 128
 
 
+def kernel_latency(lat, max_lora_rank: int, max_loras: int) -> Latency:
+    """The kernel's step-time coefficients (``twin.engine_cost.step_seconds``) for an engine with these
+    flags: the one mapping from ``LatencySpec`` to them."""
+    lora = lat.lora_for_rank(max_lora_rank)
+    return Latency(
+        lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(max_loras),
+        lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
+        lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above)
+
+
 def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
     """Least engine time (s) any schedule spends on each request under the profile's step model,
     or None when a negative coefficient makes a lower bound from it unsafe.  Every step runs
@@ -143,12 +159,14 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
     only add."""
     lora = lat.lora_for_rank(eng["max_lora_rank"])
     coefs = (lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lat.sched_base_ms,
-             lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share)
+             lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share,
+             lora.share_above)
     if min(coefs) < 0 or not (0.0 <= lora.slot_share <= 1.0):
         return None
     e = lora.extra(1, eng["max_loras"])
     slot = lat.per_seq_ms * (1.0 + e)
-    tok = lat.per_token_ms * (1.0 + lora.prefill_share * e)
+    # a step's prefill tokens pay one of two shares (the knee): the smaller one bounds from below
+    tok = lat.per_token_ms * (1.0 + min(lora.prefill_share, lora.share_above) * e)
     i = in_len.astype(np.float64)
     o = out_len.astype(np.float64)
     dec = o - 1.0
@@ -276,16 +294,15 @@ def _early_stop(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tok
 
 
 def engine_state(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tokens: int,
-                 stop_grace_s: float = 0.0) -> EngineState:
+                 stop_grace_s: float = 0.0, preloaded: np.ndarray | None = None) -> EngineState:
     """The engine kernel's state at t = 0 for ``req`` (see ``twin.engine``: ``run_engine`` runs it
     to the end, ``step`` one scheduler step at a time; an online engine starts from no requests
-    and appends them with ``twin.engine_state.add_request``)."""
+    and appends them with ``twin.engine_state.add_request``).  ``preloaded``: the adapters loaded
+    at start-up, in order (default: all, see ``_initial_residency``)."""
     _, ranks, _ = sc.adapter_table()
     cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
     disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])
-    residency = _initial_residency(len(ranks), eng["max_loras"], eng["max_cpu_loras"])
-    lat = profile.latency
-    lora = lat.lora_for_rank(eng["max_lora_rank"])
+    residency = _initial_residency(len(ranks), eng["max_loras"], eng["max_cpu_loras"], preloaded)
     block = profile.memory.block_size
     cfg = Config(
         max_loras=eng["max_loras"], max_cpu_loras=eng["max_cpu_loras"], max_num_seqs=eng["max_num_seqs"],
@@ -295,11 +312,8 @@ def engine_state(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_to
         cache_policy=POLICIES[eng["adapter_cache_policy"]].code, duration=float(sc.duration_s),
         max_inflight=sc.client.max_inflight if sc.client.max_inflight is not None else NO_CLIENT_CAP,
         drop_overflow=sc.client.overflow == "drop", ts_interval=sc.timeseries_interval_s)
-    coefs = Latency(
-        lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(eng["max_loras"]),
-        lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
-        lat.sched_per_waiting_ms)
-    return make_state((req.arrival, req.in_len, req.out_len, req.adapter), cpu_ms, disk_ms, residency, cfg, coefs,
+    return make_state((req.arrival, req.in_len, req.out_len, req.adapter), cpu_ms, disk_ms, residency, cfg,
+                      kernel_latency(profile.latency, eng["max_lora_rank"], eng["max_loras"]),
                       _early_stop(sc, profile, eng, req, kv_tokens, stop_grace_s))
 
 
@@ -340,9 +354,19 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         return _unserved("oom", T, incoming, incoming > 0, kv_tokens, None, reason, len(req), t_wall, eng)
 
     state = engine_state(sc, profile, eng, req, kv_tokens, stop_grace_s)
+    out = run_engine(state, check_invariants, fast_forward)
+    return run_result(sc, profile, eng, req, out, kv_tokens, timeseries=timeseries, t_wall=t_wall)
+
+
+def run_result(sc: Scenario, profile: Profile, eng: dict, req: Requests, out: tuple, kv_tokens: int, *,
+               timeseries: bool = False, t_wall: float | None = None) -> Result:
+    """The :class:`Result` of a kernel run: ``out`` = ``twin.engine_state.results`` of a state that
+    held the requests ``req`` (in its order) -- ``simulate``'s engine, or one engine of a fleet
+    (``twin.fleet``) whose requests were appended as its router sent them."""
+    T = sc.duration_s
     lat = profile.latency
     block = profile.memory.block_size
-    out = run_engine(state, check_invariants, fast_forward)
+    incoming = int((req.in_len + req.out_len).sum()) / T
     (first_t, first_running, finish_t, _dropped, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv,
      ts_loaded, counters, areas) = out
     steps, preemptions, loads_cpu, loads_disk, n_ts, n_dropped = (int(x) for x in counters)
@@ -375,6 +399,6 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
         running_mean=running_area / T, waiting_mean=waiting_area / T, preemptions=preemptions,
         adapter_loads_cpu=loads_cpu, adapter_loads_disk=loads_disk, kv_cache_tokens=int(kv_tokens),
         stopped_early_s=stopped, steps=steps, arrived=len(req), dropped=n_dropped,
-        wall_s=time.perf_counter() - t_wall, engine=eng, timeseries=ts,
+        wall_s=time.perf_counter() - t_wall if t_wall is not None else 0.0, engine=eng, timeseries=ts,
         samples={"ttft_ms": ttft, "itl_ms": itl_values, "itl_count": itl_counts,
                  "arrival_s": req.arrival, "tokens": (req.in_len + req.out_len).astype(np.int64), "done": done})

@@ -18,8 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 from lora_opt.io import atomic_write_json, atomic_write_text
+from lora_opt.probe.launch import LaunchedServer, read_launch
 from lora_opt.tracking import log_dir, tracked_run
-from lora_opt.validate.probe_launch import LaunchedServer, read_launch
 
 WORKLOAD = ROOT / "configs" / "workloads" / "example.yaml"
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rc_cal = step("calibrate", "calibrate", "--runs", str(out / "probe" / "rows.csv"), "--model", profile,
                       "--out", str(out / "fitted_profile.yaml"))
         if rc_cal == 0:
-            cmp = subprocess.run([sys.executable, "-m", "lora_opt.validate.probe_compare", profile,
+            cmp = subprocess.run([sys.executable, "-m", "lora_opt.probe.compare", profile,
                                   str(out / "fitted_profile.yaml"), "--max-loras", "16"], cwd=ROOT,
                                  capture_output=True, text=True)
             atomic_write_text(out / "profile_vs_probe.txt", cmp.stdout + cmp.stderr)

@@ -2,7 +2,7 @@
 data, the profiles, the twin, the surrogates, the committed experiment outputs), draws its figure
 and returns one table row -- the paper's number, ours, the real measurement where the bundled data
 has one, and a verdict.  ``experiments/reproduce.py`` runs them, one MLflow run each (experiment
-``reproduce``); ``experiments/results_section.py`` writes the README's Results section from those runs.
+``reproduce``); ``experiments/results_section.py`` writes the Results page's table (docs/results.md) from those runs.
 
 A result module defines ``NAME`` (the registry key, also the MLflow run name), ``TITLE`` (which
 figure/table of which paper), ``PAPER`` (``first`` = the single-GPU N/G paper, ``second`` = the

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, pyplot, save_figure
-from lora_opt.calibration.realruns import smape
+from lora_opt.smape import smape
 
 RUNS = REPO / "experiments" / "fidelity" / "runs.csv"
 METRICS = (("throughput", "throughput (tok/s)", 1.0), ("itl_mean", "mean ITL (ms)", 1.0),

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.families import num
+from lora_opt.calibration.runs_csv import num
 from .curves import load_runs
 
 NAME = "p1_fig1_max_pack"

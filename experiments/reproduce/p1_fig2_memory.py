@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.families import measured_kv_tokens, num, startup_config
 from lora_opt.calibration.model_table import MODEL_PROFILES
+from lora_opt.calibration.runs_csv import measured_kv_tokens, num, startup_config
 from twin.profile import load_profile
 
 NAME = "p1_fig2_memory"

@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.families import num, per_request_lengths
 from lora_opt.calibration.model_table import MODEL_PROFILES
+from lora_opt.calibration.runs_csv import num, per_request_lengths
 from lora_opt.calibration.step_fit import decode_ctx_per_seq, expected_distinct_adapters
 from twin.profile import load_profile
 

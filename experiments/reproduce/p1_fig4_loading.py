@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.families import num
 from lora_opt.calibration.model_table import MODEL_PROFILES
+from lora_opt.calibration.runs_csv import num
 from twin.profile import load_profile
 
 NAME = "p1_fig4_loading"

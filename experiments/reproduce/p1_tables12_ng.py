@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.realruns import smape
 from lora_opt.io import atomic_write_text
+from lora_opt.smape import smape
 from lora_opt.surrogates.dataset import generate, load_dataset, twin_version
 from lora_opt.surrogates.paper_ng import PAPER_STATS, workload_table
 from twin.parsing import read_config_file

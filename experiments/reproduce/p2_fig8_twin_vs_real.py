@@ -13,7 +13,7 @@ import numpy as np
 from . import REPO, Context, Row, md_table
 from .curves import curve_smape, load_runs, plot_panels
 from .p2_tables45_surrogates import real_table
-from lora_opt.calibration.realruns import smape
+from lora_opt.smape import smape
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.surrogates.oracle import Surrogate
 

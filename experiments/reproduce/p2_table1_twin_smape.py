@@ -1,6 +1,6 @@
 """Second paper, Table 1 (first paper, Sec. 4.1): the twin's SMAPE against real vLLM runs.
 
-Ours: the replays of ``python experiments/fidelity.py`` (its committed ``runs.csv``: every usable
+Ours: the replays of ``lora-opt fidelity --out experiments/fidelity`` (its committed ``runs.csv``: every usable
 1-hour ShareGPT run of Llama-3.1-8B and Qwen-2.5-7B, vLLM 0.8.5), on the report half no fit saw,
 with two length inputs: ``sharegpt`` (lengths drawn from the fitted ShareGPT model, closest to the
 paper's "Original") and ``mean`` (every request at the workload mean, the paper's "Mean").  The
@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.realruns import smape
+from lora_opt.smape import smape
 
 NAME = "p2_table1_twin_smape"
 TITLE = "Second paper Table 1 / first paper Sec. 4.1: twin SMAPE vs real vLLM"

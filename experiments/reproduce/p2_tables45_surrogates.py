@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from . import REPO, Context, Row, md_table, pyplot, save_figure
-from lora_opt.calibration.realruns import run_to_scenario, smape
+from lora_opt.calibration.realruns import run_to_scenario
+from lora_opt.smape import smape
 from lora_opt.surrogates.distill import DistilledSurrogate
 from lora_opt.surrogates.features import FEATURES, gpu_features
 from lora_opt.surrogates.oracle import Surrogate

@@ -1,10 +1,10 @@
 """Calibration and fidelity: fit a twin profile on real vLLM runs and measure the twin against them.
 
 - ``model_table``: the (model, GPU, vLLM version) setups, from ``configs/models.yaml``.
-- ``realruns``: the real-runs CSV as twin scenarios (the rows every other module reads).
+- ``runs_csv``: the real-runs CSV (the one validating loader, a family's rows) every other module reads.
+- ``realruns``: real runs as twin scenarios.
 - ``profile_fit``: the estimator families -> a profile YAML (``lora-opt calibrate``), from
-  ``families`` (the run table), ``fitting`` (shared fit primitives), ``memory_fit``,
-  ``max_num_seqs_fit``, ``step_fit`` / ``step_fit_v1`` / ``step_fit_v0``, ``loading_fit`` and
+  ``fitting`` (shared fit primitives), ``memory_fit``, ``max_num_seqs_fit``, ``step_fit`` / ``step_fit_v1`` / ``step_fit_v0``, ``loading_fit`` and
   ``memory_check``; ``generations`` says which fits each engine generation runs.
 - ``e2e_fit``: the constants only end-to-end runs identify, on the fit half (``lora-opt calibrate-e2e``);
   ``e2e_params`` sets them in a profile dict.

@@ -38,9 +38,12 @@ from scipy.optimize import nnls
 
 from lora_opt.calibration import realruns
 from lora_opt.calibration.e2e_params import with_e2e_params
-from lora_opt.calibration.model_table import FIT_HALF  # also the CLI's list of --model values
+from lora_opt.calibration.model_table import FIT_HALF, MODELS  # FIT_HALF: also the CLI's list of --model values
 from lora_opt.calibration.profile_io import header_of, write_profile
 from lora_opt.calibration.replay import replay_with_profile, select_runs
+from lora_opt.calibration.runs_csv import load_runs
+from lora_opt.smape import smape
+from twin.errors import ScenarioError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ STEP_OVERHEAD_GRID = (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0)
 PREFILL_SHARE_GRID = (0.0, 0.25, 0.5, 1.0)
 
 
+class NoFitRuns(ScenarioError):
+    """The runs hold no fit-half run of the model."""
+
+
 def split_rows(runs, model: str):
     """(fit half, report half) of the usable validation runs of ``model``."""
     rows = select_runs(runs[runs["model"] == model])
@@ -57,8 +64,11 @@ def split_rows(runs, model: str):
     return rows[fit], rows[~fit]
 
 
-def observed_inflight_cap(rows) -> int:
-    return int(np.nanmax(rows["running_max"] + rows["waiting_max"]))
+def observed_inflight_cap(rows) -> int | None:
+    """The most requests running + waiting in any run (None when no run recorded both: rows ingested from
+    lora-opt validate carry means, not maxima)."""
+    total = (rows["running_max"] + rows["waiting_max"]).to_numpy(dtype=float)
+    return int(np.nanmax(total)) if np.isfinite(total).any() else None
 
 
 def _metric(res: list[dict], key: str, sub: str | None = None) -> np.ndarray:
@@ -66,8 +76,8 @@ def _metric(res: list[dict], key: str, sub: str | None = None) -> np.ndarray:
 
 
 def _objective(rows, res) -> dict:
-    thr = realruns.smape(_metric(res, "throughput_tok_s"), rows["input_throughput"] + rows["output_throughput"])
-    itl = realruns.smape(_metric(res, "itl_ms", "mean"), rows["mean_itl_ms"])
+    thr = smape(_metric(res, "throughput_tok_s"), rows["input_throughput"] + rows["output_throughput"])
+    itl = smape(_metric(res, "itl_ms", "mean"), rows["mean_itl_ms"])
     return {"throughput_smape": thr, "itl_mean_smape": itl, "loss": (thr + itl) / 2}
 
 
@@ -92,8 +102,11 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
     profile with them and a ``fit.e2e`` record (:func:`write_fitted_profile`: untouched when nothing
     changed).  Returns that record, with ``wall_s`` and ``profile_written``."""
     t0 = time.perf_counter()
-    runs = realruns.load_runs(runs_csv)
+    runs = load_runs(runs_csv)
     fit_rows, report_rows = split_rows(runs, model)
+    if fit_rows.empty:
+        raise NoFitRuns(f"calibrate-e2e --model {model}: {runs_csv} holds no usable fit-half runs of {model} "
+                        f"(experiment containing {FIT_HALF[model]!r})")
     prof_path = Path(realruns.PROFILES_DIR) / f"{realruns.MODEL_PROFILES[model]}.yaml"
     text = prof_path.read_text(encoding="utf-8")
     header, base = header_of(text), yaml.safe_load(text)
@@ -104,7 +117,7 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         res = replay_with_profile(fit_rows, with_e2e_params(base, s, pf, step_overhead_ms=so), tmp, workers)
         obj = _objective(fit_rows, res)
         trace.append({"slot_share": s, "prefill_share": pf, "step_overhead_ms": so, **obj})
-        log.info(f"  {model}: slot_share {s:.2f} prefill_share {pf:.2f} step overhead {so:g} ms -> throughput "
+        log.info(f"  {model}: slot_share {s} prefill_share {pf} step overhead {so:g} ms -> throughput "
             f"{obj['throughput_smape']:.1f} %, ITL {obj['itl_mean_smape']:.1f} %")
         return obj["loss"], res
 
@@ -120,17 +133,20 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
             loss, _ = evaluate(s0, pf0, so)
             if loss < best:
                 best_so, best = so, loss
+    fitted = MODELS[model].e2e_fit           # the rest keep the profile's values (None: each rank's own)
     best_s, best_loss, best_res = None, np.inf, None
-    for s in SLOT_SHARE_GRID:
-        loss, res = evaluate(s, 0.0, best_so)
+    for s in (SLOT_SHARE_GRID if "slot_share" in fitted else (None,)):
+        loss, res = evaluate(s, 0.0 if "prefill_share" in fitted else None, best_so)
         if loss < best_loss:
             best_s, best_loss, best_res = s, loss, res
-    best_pf = 0.0
-    for pf in PREFILL_SHARE_GRID[1:]:
+    best_pf = 0.0 if "prefill_share" in fitted else None
+    for pf in (PREFILL_SHARE_GRID[1:] if "prefill_share" in fitted else ()):
         loss, res = evaluate(best_s, pf, best_so)
         if loss < best_loss:
             best_pf, best_loss, best_res = pf, loss, res
-    frontend = fit_frontend(fit_rows, best_res)
+    base_frontend = (float(base["latency"].get("ttft_frontend_ms", 0.0)),
+                     float(base["latency"].get("ttft_frontend_per_running_ms", 0.0)))
+    frontend = fit_frontend(fit_rows, best_res) if "frontend" in fitted else base_frontend
     record = {
         "command": f"lora-opt calibrate-e2e --model {model}",
         "fit_half": FIT_HALF[model], "fit_runs": int(len(fit_rows)), "report_runs": int(len(report_rows)),

@@ -10,13 +10,16 @@ E2E_LATENCY_KEYS = ("ttft_frontend_ms", "ttft_frontend_per_running_ms", "sched_b
 E2E_LORA_KEYS = ("slot_share", "prefill_share")
 
 
-def with_e2e_params(profile: dict, slot_share: float, prefill_share: float,
+def with_e2e_params(profile: dict, slot_share: float | None, prefill_share: float | None,
                     frontend: tuple[float, float] = (0.0, 0.0), step_overhead_ms: float = 0.0) -> dict:
-    """A copy of ``profile`` with these end-to-end constants (every LoRA rank gets the same shares)."""
+    """A copy of ``profile`` with these end-to-end constants (every LoRA rank gets the same shares; a share
+    of None keeps each rank's own: one the probe measured per rank)."""
     p = copy.deepcopy(profile)
     for spec in p["latency"]["lora"].values():
-        spec["slot_share"] = float(slot_share)
-        spec["prefill_share"] = float(prefill_share)
+        if slot_share is not None:
+            spec["slot_share"] = float(slot_share)
+        if prefill_share is not None:
+            spec["prefill_share"] = float(prefill_share)
     p["latency"]["ttft_frontend_ms"] = float(frontend[0])
     p["latency"]["ttft_frontend_per_running_ms"] = float(frontend[1])
     p["latency"]["sched_base_ms"] = float(step_overhead_ms)

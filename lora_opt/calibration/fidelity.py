@@ -23,7 +23,9 @@ import numpy as np
 from lora_opt.calibration import realruns
 from lora_opt.calibration.model_table import FIT_HALF
 from lora_opt.calibration.replay import select_runs, simulate_runs
+from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
+from lora_opt.smape import smape
 from twin.errors import ScenarioError
 
 #: (name in the report, real column, twin result key, twin sub-key, peer column)
@@ -103,13 +105,13 @@ def smape_table(df, variants: list[str]) -> dict:
         for name, *_, pcol in METRICS:
             entry = {}
             for v in variants:
-                entry[v] = realruns.smape(df.loc[mask, f"{v}_{name}"], df.loc[mask, f"real_{name}"])
+                entry[v] = smape(df.loc[mask, f"{v}_{name}"], df.loc[mask, f"real_{name}"])
             if pcol:
                 both = mask & df["has_peer"].to_numpy()
                 entry["peer_runs"] = int(both.sum())
-                entry["peer"] = realruns.smape(df.loc[both, f"peer_{name}"], df.loc[both, f"real_{name}"])
+                entry["peer"] = smape(df.loc[both, f"peer_{name}"], df.loc[both, f"real_{name}"])
                 for v in variants:
-                    entry[f"{v}_on_peer_runs"] = realruns.smape(df.loc[both, f"{v}_{name}"],
+                    entry[f"{v}_on_peer_runs"] = smape(df.loc[both, f"{v}_{name}"],
                                                                 df.loc[both, f"real_{name}"])
             g[name] = entry
         out[gname] = g
@@ -291,7 +293,7 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs = realruns.load_runs(runs_csv)
+    runs = load_runs(runs_csv)
     rows = select_runs(runs, family)
     if len(rows) == 0:
         fams = sorted(runs["experiment"][runs["experiment"].str.startswith(realruns.VALIDATION_FAMILIES)]

@@ -44,11 +44,12 @@ def f_test_p(sse_small: float, sse_big: float, n: int, k_big: int, extra: int = 
     return float(stats.f.sf(f, extra, dof))
 
 
-def relative_linear_fit(design: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative linear least squares on relative residuals (rows divided by y): the twin's
-    fidelity is judged on relative ITL/throughput errors, so a 1 ms miss at 13 ms matters more
-    than at 50 ms."""
-    sol = optimize.lsq_linear(design / y[:, None], np.ones_like(y), bounds=(0.0, np.inf), method="bvls")
+def relative_linear_fit(design: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative linear least squares on relative residuals (rows divided by y, or by ``weights``
+    when ``y`` is the part of a measurement left after a known term): the twin's fidelity is judged on
+    relative ITL/throughput errors, so a 1 ms miss at 13 ms matters more than at 50 ms."""
+    scale = y if weights is None else weights
+    sol = optimize.lsq_linear(design / scale[:, None], y / scale, bounds=(0.0, np.inf), method="bvls")
     return sol.x
 
 

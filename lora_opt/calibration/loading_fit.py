@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from lora_opt.calibration.families import family_rows, num
 from lora_opt.calibration.fitting import FitResult, f_test_p, r2_score
 from lora_opt.calibration.model_table import ModelEntry
+from lora_opt.calibration.runs_csv import family_rows, num
 
 
 def _rank_table(ranks: np.ndarray, ms: np.ndarray) -> tuple[dict[int, float], dict[str, Any]]:

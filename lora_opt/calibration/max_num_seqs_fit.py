@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 from scipy import optimize
 
-from lora_opt.calibration.families import family_rows, measured_kv_tokens, num, startup_config
 from lora_opt.calibration.fitting import FitResult, r2_score
 from lora_opt.calibration.model_table import ModelEntry
+from lora_opt.calibration.runs_csv import family_rows, measured_kv_tokens, num, startup_config
 from twin.profile import GIB, Profile
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lora_opt.calibration.families import measured_kv_tokens, num, startup_config
 from lora_opt.calibration.model_table import MODELS, model_entry
+from lora_opt.calibration.runs_csv import measured_kv_tokens, num, startup_config
 from twin.errors import ScenarioError
 from twin.profile import Profile
 

@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 from scipy import optimize
 
-from lora_opt.calibration.families import BLOCK_SIZE, DEFAULT_UTIL, family_rows, measured_kv_tokens, num
 from lora_opt.calibration.fitting import F_TEST_ALPHA, FitResult, f_test_p, r2_score
 from lora_opt.calibration.model_table import ModelEntry
+from lora_opt.calibration.runs_csv import BLOCK_SIZE, DEFAULT_UTIL, family_rows, measured_kv_tokens, num
 from twin.errors import ScenarioError
 from twin.profile import GIB, MIB, ModelSpec
 

@@ -22,6 +22,10 @@ from twin.profile import LORA_SET_RULES, EngineDefaults, ModelSpec
 #: engine generations with fitting code: ``v0`` = the vLLM 0.5.0 fork (no chunked prefill),
 #: ``v1`` = vLLM 0.8.5's V1 engine (chunked prefill)
 ENGINE_GENERATIONS = ("v0", "v1")
+#: what a profile's estimators are fitted on (``ModelEntry.fitted_from``)
+FITTED_FROM = ("real_runs", "probe")
+#: the end-to-end constants ``lora-opt calibrate-e2e`` can fit (``ModelEntry.e2e_fit``)
+E2E_FITTED = ("slot_share", "prefill_share", "frontend")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,10 @@ class GpuEntry:
     prefill cost where no real run identifies it, a cross-check elsewhere.  None: not measured."""
     kernel_profile_model: str | None = None
     """The model (a key under ``models:``) that kernel profile times."""
+    kv_cache_gib: float = 0.0
+    """A KV cache of this fixed size (GiB) whatever the model leaves (vLLM's CPU build: the
+    ``VLLM_CPU_KVCACHE_SPACE`` the runs were made with): the profiles' ``memory.kv_cache_gib``.
+    0 = a GPU: the KV cache is what ``memory_gib`` x utilisation leaves after weights and slots."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,13 @@ class ModelEntry:
     e2e_fit_half: str | None = None
     """Substring of the experiment names of the end-to-end runs ``lora-opt calibrate-e2e`` fits on
     (the fit half); the other runs are the report half.  None: no end-to-end runs."""
+    fitted_from: str = "real_runs"
+    """What its profile's estimators are fitted on: ``real_runs`` (the real-run CSV's estimator families:
+    ``lora-opt calibrate --runs CSV --model KEY``) or ``probe`` (``lora-opt probe`` rows only: ``lora-opt
+    calibrate --runs PROBE/rows.csv --model KEY``)."""
+    e2e_fit: tuple[str, ...] = ("slot_share", "prefill_share", "frontend")
+    """What ``lora-opt calibrate-e2e`` fits on the fit half (of :data:`E2E_FITTED`); the others keep the
+    profile's values (e.g. LoRA shares a probe measured per rank)."""
     cpu_to_gpu_ms_from: CpuToGpuSource | None = None
     """Where the CPU->GPU load table comes from when the runs log no usable activation time."""
     notes: tuple[str, ...] = ()
@@ -118,6 +133,9 @@ def _gpu(key: str, raw: Any, where: str) -> GpuEntry:
         d["kernel_profile_file"] = BUNDLE_ROOT / d["kernel_profile_file"]
     if not isinstance(d["memory_gib"], (int, float)) or d["memory_gib"] <= 0:
         raise InputError(f"{where}.memory_gib: expected a positive number of GiB, got {d['memory_gib']!r}")
+    if not isinstance(d.get("kv_cache_gib", 0.0), (int, float)) or d.get("kv_cache_gib", 0.0) < 0:
+        raise InputError(f"{where}.kv_cache_gib: expected a number of GiB >= 0 (0 = sized from memory), "
+                         f"got {d['kv_cache_gib']!r}")
     return GpuEntry(key=key, **d)
 
 
@@ -138,6 +156,13 @@ def _model(key: str, raw: Any, gpus: dict[str, GpuEntry], where: str) -> ModelEn
         d["cpu_to_gpu_ms_from"] = CpuToGpuSource(
             **_checked(d["cpu_to_gpu_ms_from"], CpuToGpuSource, f"{where}.cpu_to_gpu_ms_from"))
     d["notes"] = tuple(str(n) for n in d.get("notes") or ())
+    if d.get("fitted_from", "real_runs") not in FITTED_FROM:
+        raise InputError(f"{where}.fitted_from: {d['fitted_from']!r}; allowed: {list(FITTED_FROM)}")
+    if "e2e_fit" in d:
+        fitted = d["e2e_fit"]
+        if not isinstance(fitted, list) or not set(fitted) <= set(E2E_FITTED):
+            raise InputError(f"{where}.e2e_fit: expected a list of {list(E2E_FITTED)}, got {fitted!r}")
+        d["e2e_fit"] = tuple(fitted)
     return ModelEntry(csv_name=key, **d)
 
 

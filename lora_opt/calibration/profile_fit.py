@@ -7,17 +7,17 @@ asked, a fit report (markdown + PNG plots, :mod:`lora_opt.calibration.report`).
 
 Honesty rules
 -------------
-Only the estimator families are used for fitting (``families.ESTIMATOR_PREFIXES``):
+Only the estimator families are used for fitting (``runs_csv.ESTIMATOR_PREFIXES``):
 ``digital_twin_dynamic/estimators/*`` and ``performance_analysis/{memory,compute,loading}_overhead/*``.
 The validation families (``digital_twin_modelling/real_results/*``, ``motivation_figure/*``) are
 never fitted on; :func:`memory_check` only *checks* the memory model against their start-up status
-and KV-cache size.  Every row a fit uses goes through ``families.family_rows``, which refuses any
+and KV-cache size.  Every row a fit uses goes through ``runs_csv.family_rows``, which refuses any
 other prefix.
 
 Where each part lives
 ---------------------
 * ``model_table``: the (model, GPU, vLLM version) setups, from ``configs/models.yaml``.
-* ``families``: the real-run table, its columns and families.
+* ``runs_csv``: the real-run table, its columns and families.
 * ``memory_fit`` / ``max_num_seqs_fit``: ``MemorySpec``; ``memory_check``: the check on every run.
 * ``step_fit`` (shared), ``step_fit_v1`` (vLLM 0.8.5), ``step_fit_v0`` (vLLM 0.5.0): ``LatencySpec``.
 * ``loading_fit``: ``LoadingSpec``.
@@ -36,14 +36,14 @@ from lora_opt.calibration import report as calibrate_report
 # E2E_*_KEYS, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES, MODELS, expected_distinct_adapters, weights_gib and
 # sha256_of are imported for callers too (__all__): they lived here before the split
 from lora_opt.calibration.e2e_params import E2E_LATENCY_KEYS, E2E_LORA_KEYS, with_e2e_params
-from lora_opt.calibration.families import (BLOCK_SIZE, DEFAULT_UTIL, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES,
-                                           load_runs)
 from lora_opt.calibration.fitting import FitResult, clean, sha256_of, sig
 from lora_opt.calibration.generations import GENERATIONS, fit_estimators
 from lora_opt.calibration.memory_check import check_summary, memory_check
 from lora_opt.calibration.memory_fit import weights_gib
 from lora_opt.calibration.model_table import MODELS, ModelEntry, model_entry
 from lora_opt.calibration.profile_io import write_profile
+from lora_opt.calibration.runs_csv import (BLOCK_SIZE, DEFAULT_UTIL, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES,
+                                           load_runs)
 from lora_opt.calibration.step_fit import expected_distinct_adapters
 from twin.errors import ScenarioError
 from twin.paths import bundle_relative
@@ -120,6 +120,9 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
     Raises ScenarioError on an unknown model, a missing/unreadable CSV or missing columns.
     """
     entry = model_entry(model)
+    if entry.fitted_from == "probe":
+        raise ScenarioError(f"calibrate --model {model}: its profile is fitted on lora-opt probe rows "
+                            f"(configs/models.yaml fitted_from: probe): calibrate --runs PROBE/rows.csv --model {model}")
     runs = load_runs(runs_csv)
     if not (runs["model"] == entry.csv_name).any():
         raise ScenarioError(f"calibrate: {runs_csv} has no runs of model {model!r}; models present: "

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from pathlib import Path
-
-import numpy as np
 
 from lora_opt.calibration.model_table import MODEL_PROFILES  # model column -> bundled profile
-from twin.errors import ScenarioError
-from twin.paths import DATA_DIR, PROFILES_DIR, REAL_RUNS_CSV
+from twin.paths import DATA_DIR, PROFILES_DIR, REAL_RUNS_CSV  # noqa: F401 - REAL_RUNS_CSV: the CLIs' --runs default
 from twin.scenario import scenario_dict
 
 PEER_TWIN_CSV = DATA_DIR / "real_runs" / "peer_twin_validation.csv"
@@ -33,15 +29,6 @@ VALIDATION_FAMILIES = ("digital_twin_modelling/real_results", "motivation_figure
 INGESTED_FAMILY = "ingested/"
 #: experiments ``fidelity`` replays
 REPLAYED_FAMILIES = VALIDATION_FAMILIES + (INGESTED_FAMILY,)
-
-
-def load_runs(path: str | Path = REAL_RUNS_CSV):
-    import pandas as pd  # heavy optional dependency: only when the CSV is read
-
-    p = Path(path)
-    if not p.exists():
-        raise ScenarioError(f"real runs CSV not found: {p}")
-    return pd.read_csv(p)
 
 
 def _num(row, col, default=None):
@@ -101,20 +88,3 @@ def run_to_scenario(row, lengths: str = "auto", seed: int | None = None) -> dict
 def workload_key(row) -> str:
     """The workload a run belongs to (same family and A_max, varying served adapters)."""
     return f"{row['experiment']}|max_loras={int(row['max_loras'])}"
-
-
-def smape_half(pred, real) -> float:
-    """The variant without the /2 (mean(|p - r| / (|p| + |r|)) x 100): half of :func:`smape`.
-    The papers' "SMAPE within 5.1 %" is on this scale (their twin: 4.2 / 5.1 here, 8.3 / 10.1
-    with the BRIEF's definition)."""
-    return smape(pred, real) / 2
-
-
-def smape(pred, real) -> float:
-    """SMAPE in percent: mean(|p - r| / ((|p| + |r|) / 2)) x 100, pairs with a missing value dropped."""
-    p = np.asarray(pred, float)
-    r = np.asarray(real, float)
-    ok = np.isfinite(p) & np.isfinite(r) & ((np.abs(p) + np.abs(r)) > 0)
-    if not ok.any():
-        return float("nan")
-    return float(np.mean(np.abs(p[ok] - r[ok]) / ((np.abs(p[ok]) + np.abs(r[ok])) / 2)) * 100)

@@ -23,7 +23,7 @@ from scipy import optimize, special, stats
 
 from lora_opt.calibration.fitting import F_TEST_ALPHA, f_test_p, r2_score
 from lora_opt.calibration.model_table import MODELS, ModelEntry
-from twin.profile import ModelSpec
+from twin.profile import ModelSpec, lora_extra
 
 
 def decode_ctx_per_seq(inp: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -59,7 +59,7 @@ def fit_lora_factor(x: np.ndarray, y: np.ndarray, base: np.ndarray) -> tuple[dic
     def model(p, sat):
         jump, slope = p[0], p[1]
         n_sat = math.exp(p[2]) if sat else math.inf
-        return base * (1.0 + jump + slope * x / (1.0 + x / n_sat))
+        return base * lora_extra(1.0 + jump, slope, n_sat, x)     # the factor 1 + extra
 
     lin = optimize.least_squares(lambda p: model(p, False) / y - 1.0, [1.0, 0.01],
                                  bounds=([0.0, 0.0], [10.0, 1.0]), xtol=1e-14, ftol=1e-14, gtol=1e-14)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from lora_opt.calibration.families import family_rows, measured_kv_tokens, num, per_request_lengths
 from lora_opt.calibration.fitting import FitResult, r2_score, relative_linear_fit
 from lora_opt.calibration.model_table import MODELS, ModelEntry
+from lora_opt.calibration.runs_csv import family_rows, measured_kv_tokens, num, per_request_lengths
 from lora_opt.calibration.step_fit import (decode_ctx_per_seq, fit_lora_factor, kernel_layer_slope,
                                            linear_params_per_layer)
 from twin.paths import bundle_relative
-from twin.profile import LoraOverheadSpec
+from twin.profile import lora_extra
 
 
 def fit_lora_v0(runs: pd.DataFrame, entry: ModelEntry) -> FitResult:
@@ -59,10 +59,10 @@ def fit_lora_v0(runs: pd.DataFrame, entry: ModelEntry) -> FitResult:
 
 
 def _lora_factor(params: dict[str, float], d: np.ndarray) -> np.ndarray:
-    """1 + extra at the fitted runs' own slot count (where ``jump`` was measured)."""
-    spec = LoraOverheadSpec(params["jump"], params["slope"], params["n_sat"])
-    return np.array([1.0 if v <= 0 else 1.0 + spec.jump + spec.slope * v / (1.0 + v / spec.n_sat)
-                     for v in d])
+    """1 + extra at the fitted runs' own slot count (where ``jump`` was measured): ``lora_extra``
+    with ``1 + jump`` (the fit's own association, so the factor is bit-identical to its model's)."""
+    jump, slope, n_sat = 1.0 + params["jump"], params["slope"], params["n_sat"]
+    return np.array([1.0 if v <= 0 else lora_extra(jump, slope, n_sat, v) for v in d])
 
 
 def fit_decode_v0(runs: pd.DataFrame, entry: ModelEntry, lora: FitResult) -> FitResult:

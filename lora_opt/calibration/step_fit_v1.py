@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from lora_opt.calibration.families import family_rows, num, per_request_lengths
 from lora_opt.calibration.fitting import FitResult, r2_score, relative_linear_fit
 from lora_opt.calibration.model_table import ModelEntry
+from lora_opt.calibration.runs_csv import family_rows, num, per_request_lengths
 from lora_opt.calibration.step_fit import (decode_ctx_per_seq, decode_model, expected_distinct_adapters,
                                            fit_lora_factor, kernel_profile_per_token_ms)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from lora_opt.cli.common import finite_float, int_range
+from lora_opt.cli.conventions import finite_float, int_range
 
 
 # imports inside each runner: only the command that runs pays for them (start-up time); each
@@ -43,8 +43,14 @@ def _emulate(args: argparse.Namespace) -> list[str]:
     return bench_emulate(out=args.out, concurrency=args.concurrency, duration_s=args.duration, pin=args.pin)
 
 
+def _fleet(args: argparse.Namespace) -> list[str]:
+    from lora_opt.benchmarks_fleet import bench_fleet
+    return bench_fleet(out=args.out)
+
+
 #: benchmark name -> its runner; ``lora-opt bench``'s choices
-BENCHMARKS = {"twin": _twin, "dataset": _dataset, "place": _place, "search": _search, "ray": _ray, "emulate": _emulate}
+BENCHMARKS = {"twin": _twin, "dataset": _dataset, "place": _place, "search": _search, "ray": _ray, "emulate": _emulate,
+              "fleet": _fleet}
 
 
 def register(sub) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from lora_opt.cli.common import add_tracking_flag
+from lora_opt.cli.conventions import add_tracking_flag
 
 
 def register(sub) -> None:

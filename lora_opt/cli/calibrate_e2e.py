@@ -8,7 +8,7 @@ from lora_opt.calibration.realruns import REAL_RUNS_CSV
 from lora_opt.errors import InputError
 from twin.paths import FROM_WHEEL
 
-from lora_opt.cli.common import WORKERS
+from lora_opt.cli.conventions import WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.calibration.e2e_fit import FIT_HALF, fit_model
+    from lora_opt.calibration.e2e_fit import FIT_HALF, NoFitRuns, fit_model
 
     if FROM_WHEEL:    # it rewrites the bundled profiles: they are the checkout's files, not site-packages'
         raise InputError("calibrate-e2e rewrites the bundled profiles (configs/profiles/): run it in a checkout "
@@ -33,7 +33,13 @@ def run(args: argparse.Namespace) -> int:
         if m not in FIT_HALF:
             raise InputError(f"--model {m!r}: allowed values: {', '.join(sorted(FIT_HALF))}")
         log.info(f"{m}: replaying its fit-half runs on the twin once per grid point (a line each)")
-        rec = fit_model(m, args.runs, workers=args.workers)
+        try:
+            rec = fit_model(m, args.runs, workers=args.workers)
+        except NoFitRuns as exc:
+            if args.model:
+                raise
+            log.warning(f"{exc}: skipped")      # every model: those with runs in this CSV
+            continue
         print(f"{m}: {rec['params']} (fit half {rec['fit_half']!r}, {rec['fit_runs']} runs, "
               f"loss {rec['fit_half_loss']:.2f} %, {rec['wall_s']:.0f} s); profile "
               + ("rewritten" if rec["profile_written"] else "unchanged (the same values)"))

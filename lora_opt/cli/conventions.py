@@ -1,6 +1,10 @@
 """What every ``lora-opt`` command shares, as Optuna's and vLLM's command lines do: the exit
-statuses, the logging flags (``-v/--verbose``, ``-q/--quiet``, ``--log-file``) and the one function
-that sets logging up (:func:`setup_logging`), and the environment variables honoured.
+statuses listed (defined in :mod:`lora_opt.errors`), the logging flags (``-v/--verbose``,
+``-q/--quiet``, ``--log-file``) and the one function that sets logging up (:func:`setup_logging`),
+the environment variables honoured, and the flags several commands share, spelled once,
+with the argparse types every numeric flag uses: :func:`finite_float` and :func:`int_range`
+refuse NaN, infinities and values outside the flag's range with argparse's own error
+(``lora-opt CMD: error: argument --flag: ...``, exit status 2).
 
 Output contract: results the user asked for (tables, JSON) go to stdout, printed by the command's
 CLI module; diagnostics go through :mod:`logging` to stderr (and to ``--log-file``); library code
@@ -10,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
 from tqdm import tqdm
 
-#: exit statuses (README "Command-line conventions" and ``lora-opt --help`` list them)
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_NOT_ACCEPTABLE = 3
-EXIT_NOT_DEPLOYABLE = 4
-EXIT_INTERRUPTED = 130
+# the exit statuses are defined in lora_opt.errors (library code returns them too); EPILOG lists them
+from lora_opt.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_NOT_DEPLOYABLE, EXIT_OK,
+                             EXIT_TWIN_FAILED)
 
 EPILOG = f"""\
 global options (before or after the command): -v/--verbose (repeat for more), -q/--quiet,
@@ -34,11 +36,104 @@ exit status:
        starves or a GPU would not start (evaluate), the pool is too small (place), no feasible
        point (search, pareto), requests failed (validate)
   {EXIT_NOT_DEPLOYABLE:<4} place: the placement has instances that would not start (written, no launch commands)
+  {EXIT_TWIN_FAILED:<4} validate: the live side was measured and written, the twin step failed (the reason
+       is in <out>/twin_error.json and on stderr)
   {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); what was finished is kept
 
 environment: MLFLOW_TRACKING_URI (where runs are recorded; --tracking-uri wins), OPTUNA_STORAGE
 (search's default --storage; pareto keeps a sweep's studies in <out>/studies.db), RAY_ADDRESS (an existing Ray cluster); MLflow's, Ray's and Optuna's telemetry
 is off unless the user's own environment variables turn it on."""
+
+WORKERS_HELP = ("parallel workers (1 = serial, no Ray; N > 1 = Ray; default: serial when the work is too small "
+                "to pay Ray's start-up, else Ray on all cores)")
+#: the largest --workers (Ray tasks in flight) and --gpus (GPUs in a pool) accepted
+MAX_WORKERS, MAX_GPUS = 4096, 100_000
+#: the largest seed (int64) and the longest time a flag may give in seconds (~3.2 years)
+MAX_SEED, MAX_SECONDS = 2**63 - 1, 1e8
+
+
+def finite_float(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    """An argparse ``type``: a finite float in [lo, hi] (``lo_open``: lo excluded)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if (lo is not None and (x <= lo if lo_open else x < lo)) or (hi is not None and x > hi):
+            if lo is not None and hi is not None:
+                raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {text}")
+            if lo is not None:
+                raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {text}")
+        return x
+    parse.__name__ = "number"
+    return parse
+
+
+def int_range(lo: int, hi: int):
+    """An argparse ``type``: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            x = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if x < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text}")
+        if x > hi:
+            raise argparse.ArgumentTypeError(f"must be an integer <= {hi}, got {text}")
+        return x
+    parse.__name__ = "integer"
+    return parse
+
+
+#: the types of the flags many commands share
+SEED = int_range(0, MAX_SEED)
+GPUS = int_range(1, MAX_GPUS)
+WORKERS = int_range(1, MAX_WORKERS)
+FRACTION = finite_float(0.0, 1.0, lo_open=True)          # rho, attainment: (0, 1]
+POSITIVE_MS = finite_float(0.0, 1e9, lo_open=True)       # latency targets
+POSITIVE_S = finite_float(0.0, MAX_SECONDS, lo_open=True)
+NONNEGATIVE_S = finite_float(0.0, MAX_SECONDS)
+
+
+def add_ray_flags(p: argparse.ArgumentParser, workers_help: str = WORKERS_HELP) -> None:
+    """``--workers`` and ``--ray-address``: where simulations run."""
+    p.add_argument("--workers", type=WORKERS, help=f"{workers_help}; 1..{MAX_WORKERS}")
+    p.add_argument("--ray-address", help="existing Ray cluster (default: RAY_ADDRESS or a local instance)")
+
+
+#: --scrape-interval-s's default (s): twin.fleet.SCRAPE_INTERVAL_S, spelled here so --help needs no import
+SCRAPE_DEFAULT_S = 0.1
+
+
+def add_fleet_flags(p: argparse.ArgumentParser, routers, adapter_modes, *, several: bool = False) -> None:
+    """``--router`` (``routers``: twin.routers.ROUTERS; ``several``: one or more, each its own run),
+    ``--adapters`` and ``--scrape-interval-s``: how the GPUs of a replay are served as one fleet (evaluate, search)."""
+    p.add_argument("--router", choices=list(routers), nargs="+" if several else None,
+                   default=["static"] if several else "static",
+                   help="router policy choosing each request's GPU (default static: the placement's weights, "
+                        "router.json); any other replays the GPUs as one fleet on the fleet twin (docs: concepts/fleet)"
+                        + ("; several: one study each, fronts merged" if several else ""))
+    p.add_argument("--adapters", choices=list(adapter_modes), default="static",
+                   help="static: a GPU serves the adapters placed on it (default); on-demand: any adapter its "
+                        "--max-lora-rank admits, loaded on first use (disk -> CPU cache -> GPU slot, LRU)")
+    p.add_argument("--scrape-interval-s", type=NONNEGATIVE_S,
+                   help=f"fleet: seconds between the router's reads of the GPUs' metrics (default "
+                        f"{SCRAPE_DEFAULT_S:g}; 0 = exact state at every arrival)")
+
+
+def add_tracking_flag(p: argparse.ArgumentParser) -> None:
+    """``--tracking-uri`` (where MLflow records the run) and ``--no-track``."""
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///mlruns/mlflow.db in the current directory, artifacts in mlruns/artifacts; "
+                                          "browse: mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db)")
+    try:
+        p.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
+    except argparse.ArgumentError:      # the command declares it itself (validate, probe)
+        pass
+
 
 #: the packages whose loggers are ours: INFO shown by default
 OWN_LOGGERS = ("lora_opt", "twin")

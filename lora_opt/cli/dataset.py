@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from lora_opt.cli.common import add_ray_flags, add_tracking_flag, int_range
-from lora_opt.cli.conventions import show_progress
+from lora_opt.cli.conventions import add_ray_flags, add_tracking_flag, int_range, show_progress
 from lora_opt.surrogates.dataset import GRIDS_DIR
 from twin.profile import bundled_profiles
 

@@ -3,12 +3,14 @@ a placement) driven by the twin in real time."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from pathlib import Path
 
-from lora_opt.cli.common import finite_float, int_range
-from lora_opt.cli.conventions import verbosity
+from lora_opt.cli.conventions import SCRAPE_DEFAULT_S, finite_float, int_range, verbosity
 from twin.profile import bundled_profiles
+from twin.routers import ADAPTER_MODES, ROUTERS
 
 PORT = int_range(0, 65535)
 
@@ -30,27 +32,87 @@ def register(sub) -> None:
                       ("--gpu-memory-utilization", finite_float(0.0, 1.0, lo_open=True)), ("--max-model-len", count)):
         e.add_argument(flag, type=typ, help="vLLM's flag (default: the profile's)")
     e.add_argument("--served-model-name", help="the base model's name in the API (default: the profile's model)")
+    e.add_argument("--model", metavar="MODEL_DIR",
+                   help="the model directory vllm serve is given: its config.json's vocab_size (token ids beyond it are "
+                        "refused, as vLLM does) and max_position_embeddings (the default --max-model-len), its "
+                        "tokenizer.json (text prompts counted as vLLM counts them; needs the tokenizers package, "
+                        "else 4 characters a token) and chat template (jinja2); /v1/models' root")
+    e.add_argument("--vllm-version", metavar="VERSION",
+                   help="the vLLM version to imitate (/version, error shapes, length rules): 0.32, 0.33 or 0.8.5 "
+                        "(default: the profile's vllm_version when it is one of these, else 0.33)")
     e.add_argument("--host", help="bind address (default 127.0.0.1; a placement: its router.json's hosts)")
     e.add_argument("--port", type=PORT, default=8000, help="one instance: port (default 8000)")
     e.add_argument("--base-port", type=PORT, help="a placement: GPU i listens on BASE_PORT + i (instead of router.json)")
+    e.add_argument("--instances", type=int_range(1, 1000), default=1,
+                   help="a plain fleet: this many identical instances of --scenario / --profile on ports --port, "
+                        "--port + 1, ... (default 1)")
     e.add_argument("--router-port", type=PORT,
-                   help="also serve a router on this port: it forwards each request to an instance of its "
-                        "adapter by the placement's weights")
+                   help="also serve a router on this port: it forwards each request to an instance that serves "
+                        "its adapter, chosen by --router")
+    e.add_argument("--router", choices=list(ROUTERS), default="static",
+                   help="the router's policy, the fleet twin's (lora-opt evaluate --router): static = the placement's "
+                        "weights (a plain fleet: equal weights); round-robin, least-requests, power-of-two, "
+                        "consistent-hash, lora-affinity (default static)")
+    e.add_argument("--adapters", choices=list(ADAPTER_MODES), default="static",
+                   help="static: an instance serves the adapters placed on it (a plain fleet: all, loaded at start-up); "
+                        "on-demand: every adapter its --max-lora-rank admits, loaded on first use (LRU CPU cache and "
+                        "GPU slots at the profile's load costs; a placement's own adapters loaded at start-up) "
+                        "(default static)")
+    e.add_argument("--scrape-interval-s", type=finite_float(0.0, 3600.0), default=SCRAPE_DEFAULT_S,
+                   help="simulated seconds between the router's reads of the instances' metrics (lora-affinity; "
+                        f"0: at every request) (default {SCRAPE_DEFAULT_S:g})")
     e.add_argument("--speed", type=finite_float(0.001, 10_000.0), default=1.0, help="simulated seconds per wall second (default 1)")
     e.add_argument("--lengths", help="length model EOS stops are drawn from (default: the scenario's, else sharegpt)")
-    e.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the EOS draws")
+    e.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the EOS draws and of the router's draws")
     e.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: warning; info with -v)")
     e.set_defaults(run=run)
 
 
-def _specs(args):
-    from lora_opt.emulate.fleet import spec_from_flags, spec_from_scenario, specs_from_placement, with_lengths
+def _lora_paths(modules: list[str]) -> dict[str, str]:
+    """Adapter id -> path of ``--lora-modules`` (``name=path`` or JSON; the cards' ``root``);
+    malformed entries are reported by ``lora_opt.emulate.fleet.parse_lora_modules``."""
+    import json
+    out = {}
+    for m in modules:
+        if m.lstrip().startswith("{"):
+            try:
+                d = json.loads(m)
+                out[str(d["name"])] = str(d["path"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        elif "=" in m:
+            name, path = m.split("=", 1)
+            out[name] = path
+    return out
+
+
+def _model_files(args):
+    from lora_opt.emulate.model_files import ModelFiles
+    if not args.model:
+        return None
+    files = ModelFiles.load(args.model)
+    if files.tokenizer is None and (Path(args.model) / "tokenizer.json").is_file():
+        print("emulate: --model: the tokenizers package is not installed (pip install 'lora-opt[tokenizer]'): "
+              "text prompts are counted 4 characters a token, not by the model's tokenizer", file=sys.stderr)
+    return files
+
+
+def _specs(args, files=None):
+    from lora_opt.emulate.fleet import (
+        identical_fleet,
+        spec_from_flags,
+        spec_from_scenario,
+        specs_from_placement,
+        with_lengths,
+    )
     from lora_opt.errors import InputError
     host = args.host or "127.0.0.1"
     if args.placement:
+        if args.instances != 1:
+            raise InputError("--instances: a placement's fleet has one instance per GPU (omit --instances)")
         specs = specs_from_placement(args.placement, base_port=args.base_port, host=args.host,
-                                     lengths=args.lengths or "sharegpt")
+                                     lengths=args.lengths or "sharegpt", adapters=args.adapters)
     elif args.scenario:
         specs = [spec_from_scenario(args.scenario, port=args.port, host=host,
                                     served_model_name=args.served_model_name)]
@@ -59,10 +121,18 @@ def _specs(args):
     elif args.profile:
         engine = {k: getattr(args, k) for k in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs",
                                                  "max_num_batched_tokens", "gpu_memory_utilization", "max_model_len")}
+        if engine["max_model_len"] is None and files is not None and files.max_position_embeddings:
+            engine["max_model_len"] = files.max_position_embeddings     # vLLM's default: the model's context
         specs = [spec_from_flags(args.profile, args.lora_modules, engine, port=args.port, host=host,
                                  served_model_name=args.served_model_name, lengths=args.lengths or "sharegpt")]
     else:
         raise InputError("one of --scenario, --placement or --profile (with --lora-modules) is required")
+    if not args.placement:
+        if args.adapters == "on-demand":        # vLLM's LoRA resolver: nothing loaded until a request names it
+            specs = [dataclasses.replace(s, preloaded=()) for s in specs]
+        specs = identical_fleet(specs[0], args.instances) if args.instances > 1 else specs
+    if args.router != "static" and args.router_port is None:
+        raise InputError(f"--router {args.router}: needs --router-port (the router it configures)")
     if args.speed <= 0:
         raise InputError(f"--speed: must be > 0, got {args.speed}")
     return specs
@@ -71,22 +141,32 @@ def _specs(args):
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from lora_opt.emulate.fleet import make_instance, route_table, serve
-    specs = _specs(args)
+    from lora_opt.emulate.fleet import front, make_instance, serve
+    from lora_opt.placement.instances import routing_seed
+    from lora_opt.emulate.vllm_versions import choose
+    files = _model_files(args)
+    specs = _specs(args, files)
     updating = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
     instances = [(s, make_instance(s, speed=args.speed, seed=args.seed, runtime_lora_updating=updating))
                  for s in specs]
+    for _, inst in instances:
+        behaviour = choose(args.vllm_version, inst.engine.profile.vllm_version)
+        inst.configure(behaviour=behaviour, files=files, model_root=args.model,
+                       lora_roots=_lora_paths(args.lora_modules))
 
     router = None
     if args.router_port is not None:
-        router = (args.host or "127.0.0.1", args.router_port, route_table(specs, args.placement))
+        table = front(specs, [inst for _, inst in instances], args.placement, policy=args.router,
+                      seed=routing_seed(args.seed), scrape_interval_s=args.scrape_interval_s)
+        router = (args.host or "127.0.0.1", args.router_port, table)
 
     def ready():
         for s, inst in instances:
             print(f"{s.name}: {inst.model} + {len(inst.adapters)} adapters on http://{s.host}:{s.port}/v1 "
-                  f"(speed {args.speed:g})", flush=True)
+                  f"(speed {args.speed:g}, imitating vLLM {inst.vllm_version})", flush=True)
         if router is not None:
-            print(f"router: http://{router[0]}:{router[1]}/v1 -> {len(specs)} instances", flush=True)
+            print(f"router: http://{router[0]}:{router[1]}/v1 -> {len(specs)} instances ({args.router}, "
+                  f"{args.adapters} adapters)", flush=True)
         print("ready", flush=True)
 
     try:                                # vLLM's loop (uvloop) and HTTP parser (httptools) when installed

@@ -5,10 +5,11 @@ import argparse
 import json
 from pathlib import Path
 
-from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_ray_flags, add_tracking_flag, finite_float
-from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE, EXIT_OK, show_progress
-from lora_opt.errors import InputError
+from lora_opt.cli.conventions import (NONNEGATIVE_S, POSITIVE_S, SEED, add_fleet_flags, add_ray_flags, add_tracking_flag,
+                                      finite_float, show_progress)
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
 from lora_opt.io import atomic_write_json
+from twin.routers import ADAPTER_MODES, ROUTERS
 from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
 from twin.workload import TRACES
 
@@ -33,6 +34,7 @@ def register(sub) -> None:
     ev.add_argument("--duration-s", type=POSITIVE_S, help="replayed seconds")
     ev.add_argument("--lengths", help=f"length model ({', '.join(LENGTH_SOURCES)})")
     ev.add_argument("--seed", type=SEED, help="seed of arrivals, lengths, mapping and routing draws")
+    add_fleet_flags(ev, ROUTERS, ADAPTER_MODES)
     add_ray_flags(ev)
     ev.add_argument("--grace-s", type=NONNEGATIVE_S,
                     help="starvation verdict ignores requests arriving this close to the end (default "
@@ -45,8 +47,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.placement.evaluate import (check_grace_below_window, evaluate_placement, evaluation_table, served_ok,
-                                             with_evaluation, workload_from_placement)
+    from lora_opt.placement.evaluate import (check_grace_below_window, evaluate_on_fleet, evaluate_placement,
+                                             evaluation_table, served_ok, with_evaluation, workload_from_placement)
+    from lora_opt.placement.instances import FleetOptions
     from lora_opt.placement.plan import Placement, PlacementError
     from lora_opt.placement.workload_file import load_workload
     from lora_opt.tracking import log_command_run
@@ -61,14 +64,20 @@ def run(args: argparse.Namespace) -> int:
     grace_s = GRACE_DEFAULT_S if args.grace_s is None else args.grace_s
     check_grace_below_window(grace_s, wl.evaluation.duration_s, "--grace-s:", "the replayed duration (--duration-s)",
                              note=" (the default)" if args.grace_s is None else "", error=InputError)
-    ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address,
-                            progress=show_progress(args), grace_s=grace_s)
+    if (args.router, args.adapters) == ("static", "static"):       # today's per-GPU replay (on Ray)
+        ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address,
+                                progress=show_progress(args), grace_s=grace_s)
+    else:
+        scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
+        fleet = FleetOptions(args.router, args.adapters, **scrape)
+        ev = evaluate_on_fleet(p, wl, fleet, grace_s=grace_s)
     code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
     if args.out:
         atomic_write_json(args.out, ev, indent=1)
     log_command_run("evaluate", f"{wl.name} ({p.policy})", params={"placement": args.placement, "workload": wl.name,
                     "policy": p.policy, "arrivals": wl.evaluation.arrivals.process, "trace": wl.evaluation.arrivals.trace,
-                    "duration_s": wl.evaluation.duration_s, "grace_s": grace_s}, metrics={k: v for k, v in ev.items()
+                    "duration_s": wl.evaluation.duration_s, "grace_s": grace_s,
+                    **({"router": args.router, "adapters": args.adapters} if "router" in ev else {})}, metrics={k: v for k, v in ev.items()
                     if k != "per_gpu"}, artifacts=[args.out, args.placement], profile=p.profile,
                     seeds={"evaluation": wl.evaluation.seed}, tracking_uri=args.tracking_uri, track=not args.no_track)
     if args.json:
@@ -77,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         arrivals = wl.evaluation.arrivals
         print(f"placement {args.placement} ({p.policy}), workload {wl.name}: replay "
               f"{arrivals.process}{' ' + arrivals.trace if arrivals.trace else ''}"
-              f", {wl.evaluation.duration_s:,.0f} s, rho {wl.rho}")
+              f", {wl.evaluation.duration_s:,.0f} s, rho {wl.rho}"
+              + (f"; fleet: router {args.router}, adapters {args.adapters}" if "router" in ev else ""))
         print(evaluation_table(ev))
         if code != EXIT_OK:
             problems = [f"{ev['gpus_starving']} GPU(s) starving" if ev["gpus_starving"] else "",

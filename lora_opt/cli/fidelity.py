@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from lora_opt.calibration.realruns import REAL_RUNS_CSV
-from lora_opt.cli.common import add_ray_flags, add_tracking_flag
+from lora_opt.cli.conventions import add_ray_flags, add_tracking_flag
 
 
 def register(sub) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lora_opt.cli.common import int_range
+from lora_opt.cli.conventions import int_range
 
 
 def register(sub) -> None:

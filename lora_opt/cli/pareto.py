@@ -5,8 +5,8 @@ import argparse
 import shlex
 import sys
 
-from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags, add_tracking_flag, int_range
-from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE
+from lora_opt.cli.conventions import FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags, add_tracking_flag, int_range
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
 

@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from lora_opt.cli.common import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float
-from lora_opt.cli.conventions import show_progress
+from lora_opt.cli.conventions import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float, show_progress
 from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
+from lora_opt.placement.router_config import ROUTER_CONFIGS
 
 
 def register(sub) -> None:
@@ -24,7 +24,14 @@ def register(sub) -> None:
                     help=f"placement policy (default: {DEFAULT_POLICY})")
     pl.add_argument("--out", help="output directory (default: outputs/placement-<workload>)")
     pl.add_argument("--emit-vllm", action="store_true",
-                    help="also write one vllm serve command per GPU (vLLM 0.33 flags) and router.json")
+                    help="also write one vllm serve command per GPU and router.json")
+    pl.add_argument("--emit-router", choices=list(ROUTER_CONFIGS),
+                    help="also write the router's configuration: gateway (Gateway API Inference Extension "
+                         "InferencePool/InferenceModel YAML, one pool per replica set) or vllm-router:POLICY (its "
+                         "command line; only for a placement with every adapter on every GPU)")
+    pl.add_argument("--vllm-version", metavar="X.Y",
+                    help="the vLLM release the commands are written for: 0.32 or 0.33 (default: the profile's "
+                         "vllm_version when it is one of these, else 0.33)")
     pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
     pl.add_argument("--surrogate", help="surrogate directory, or a registered version: models:/lora-opt-starvation@champion, "
                                         "models:/NAME/VERSION (default: the bundled one for the profile)")
@@ -55,19 +62,28 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.workload_file import load_workload
 
     wl = load_workload(args.workload)
+    if args.vllm_version is not None:     # refused before any placement work
+        from lora_opt.errors import InputError
+        from lora_opt.placement.vllm_launch import resolve_vllm_version
+        resolve_vllm_version(args.vllm_version, error=InputError)
     return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
                      surrogate=args.surrogate, policy_options=_policy_options(args), as_json=args.json,
-                     history=args.history)
+                     history=args.history, vllm_version=args.vllm_version, emit_router=args.emit_router)
 
 
 def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm: bool, model: str | None,
               surrogate: str | None, policy_options: dict, as_json: bool = False, out=None,
-              history: str | None = None) -> int:
+              history: str | None = None, **launch: str | None) -> int:
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
-    verdict (or one JSON object); the verdict's exit status."""
+    verdict (or one JSON object); the verdict's exit status.  ``launch``: ``vllm_version`` (the
+    release the vllm serve commands are written for) and ``emit_router`` (``--emit-router``)."""
+    unknown = set(launch) - {"vllm_version", "emit_router"}
+    if unknown:
+        raise TypeError(f"run_place: unknown launch option(s) {sorted(unknown)}")
+    vllm_version, emit_router = launch.get("vllm_version"), launch.get("emit_router")
     from lora_opt.placement.policies import PlacementContext, get_policy
-    from lora_opt.placement.report import (EXIT_INFEASIBLE, EXIT_OK, clean_outputs, placement_table, table_notes,
-                                           verdict, write_outputs)
+    from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK
+    from lora_opt.placement.report import clean_outputs, placement_table, table_notes, verdict, write_outputs
 
     out = out or sys.stdout
     policy = get_policy(policy_name, **policy_options)
@@ -80,8 +96,17 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     code, message = verdict(p)
     out_path = Path(out_dir or f"outputs/placement-{wl.name or 'workload'}")
     written = []
-    if code != EXIT_INFEASIBLE:
-        written = write_outputs(p, ctx.profile, out_path, emit_vllm=emit_vllm and code == EXIT_OK, model=model)
+    router_text = {}
+    if emit_router and code == EXIT_OK:             # refused (PlacementError) before anything is written
+        from lora_opt.placement.router_config import router_files
+        router_text = router_files(p, emit_router)
+    if code != EXIT_NOT_ACCEPTABLE:                 # infeasible: nothing placed to write
+        written = write_outputs(p, ctx.profile, out_path, emit_vllm=emit_vllm and code == EXIT_OK, model=model,
+                                vllm_version=vllm_version)
+        from lora_opt.io import atomic_write_text
+        for name, text in router_text.items():
+            (out_path / name).parent.mkdir(parents=True, exist_ok=True)
+            written.append(atomic_write_text(out_path / name, text, 0o755 if name.endswith(".sh") else None))
     elif out_path.is_dir():
         clean_outputs(out_path)          # a previous run's placement must not pass for this one's
     if as_json:

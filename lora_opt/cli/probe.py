@@ -3,14 +3,17 @@ from a ``vllm serve`` command; writes real-runs rows that ``lora-opt calibrate -
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
-from lora_opt.cli.common import add_tracking_flag, finite_float, int_range
-from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE, EXIT_OK
+from lora_opt.cli.conventions import add_tracking_flag, finite_float, int_range
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK
 
 #: the command that stands in for ``vllm serve MODEL`` when set (the runbook's dry run on the emulator)
 SERVER_CMD_ENV = "LORA_OPT_SERVER_CMD"
+
+log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
@@ -38,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--max-lora-rank", type=int_range(1, 512), help="--endpoint: the server's max_lora_rank")
     p.add_argument("--max-num-batched-tokens", type=int_range(1, 10_000_000),
                    help="--endpoint: the server's max_num_batched_tokens (the prefill fit needs it)")
+    p.add_argument("--vllm-version", metavar="X.Y",
+                   help="--launch on vLLM: check every command it will start against that release's vllm serve "
+                        "options (0.32 or 0.33) before starting any")
     p.add_argument("--health-timeout", type=finite_float(1.0, 7200.0), default=900.0,
                    help="wall seconds a launched server may take to answer /health (default 900)")
     p.add_argument("--out", default="probe", help="output directory (default ./probe)")
@@ -50,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     import dataclasses
 
-    from lora_opt.validate.probe import PLANS, ProbeOptions
-    from lora_opt.validate.probe_launch import read_launch
-    from lora_opt.validate.probe_run import probe
+    from lora_opt.probe.launch import read_launch
+    from lora_opt.probe.plan import PLANS, ProbeOptions
+    from lora_opt.probe.run import probe
 
     plan = PLANS[args.plan or "quick"]
     if args.ranks:
@@ -61,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
                         adapter_path=args.adapter_path, max_lora_rank=args.max_lora_rank,
                         max_num_batched_tokens=args.max_num_batched_tokens, health_timeout_s=args.health_timeout)
     launch = read_launch(args.launch, args.gpu_index) if args.launch else None
+    if args.vllm_version is not None:
+        from lora_opt.errors import InputError
+        from lora_opt.placement.vllm_launch import resolve_vllm_version
+        release = resolve_vllm_version(args.vllm_version, error=InputError)
+        if launch is not None and not args.server_cmd:
+            from lora_opt.probe.run import check_launch_commands
+            check_launch_commands(launch, plan, args.adapter_path, release)
     s = probe(opts, launch=launch, endpoint=args.endpoint, track=not args.no_track, tracking_uri=args.tracking_uri)
     fams = ", ".join(f"{k} {v['ok']} ok" + (f" / {v['failed']} failed" if v["failed"] else "")
                      + (f" / {v['noisy']} noisy" if v.get("noisy") else "") for k, v in s["families"].items())
@@ -69,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
           + (f"; MLflow run {s['mlflow_run_id']} (experiment probe)" if s.get("mlflow_run_id") else ""))
     print(f"next: lora-opt calibrate --runs {args.out}/rows.csv --model PROFILE --out PROFILE.yaml")
     failed = sum(v["failed"] + v.get("noisy", 0) for v in s["families"].values())
+    for bad in s["not_ok"]:
+        note = bad["note"] or "(no note)"
+        log.warning("%s: %s", bad["row"], note if note.startswith(bad["status"]) else f"{bad['status']}: {note}")
     if any(v.get("noisy") for v in s["families"].values()):
-        print("noisy rows (not fitted by calibrate): the machine could not keep time at this --speed; "
-              "rerun slower or on a quieter machine")
+        print("noisy rows (not fitted by calibrate): the client could not resolve what they measure (each "
+              "row's probe_note says why); rerun slower, on a quieter machine, or with a longer plan")
     return EXIT_NOT_ACCEPTABLE if failed else EXIT_OK

@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lora_opt.cli.common import FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_ray_flags, add_tracking_flag, int_range
-from lora_opt.cli.conventions import EXIT_NOT_ACCEPTABLE
-from lora_opt.errors import InputError
+from lora_opt.cli.conventions import (FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_fleet_flags,
+                                      add_ray_flags, add_tracking_flag, int_range)
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE, InputError
 from lora_opt.io import atomic_write_json
+from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, DEPLOYMENTS
 from lora_opt.search.study import BACKENDS, DEFAULT_BATCH, DEFAULT_OBJECTIVE, OBJECTIVES
+from twin.routers import ADAPTER_MODES, ROUTERS
 
 
 def add_criterion_flags(p: argparse.ArgumentParser) -> None:
@@ -26,10 +28,15 @@ def register(sub) -> None:
     se.add_argument("--trials", type=int_range(1, 1_000_000), default=64, help="trials in the study, counting resumed ones (default 64)")
     se.add_argument("--storage", help="Optuna storage URL (default: $OPTUNA_STORAGE, else sqlite:///<out>/study.db; "
                                       "resumes)")
-    se.add_argument("--study", help="study name (default: <workload>-<gpus>gpus-<objective>)")
+    se.add_argument("--study", help="study name (default: <workload>-<gpus>gpus-<objective>, then "
+                                    "-<deployment>-<router>-<adapters> unless placement, static, static)")
     se.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES),
                     help=f"latency objective (default {DEFAULT_OBJECTIVE})")
     add_criterion_flags(se)
+    se.add_argument("--deployment", nargs="+", choices=list(DEPLOYMENTS), default=[DEFAULT_DEPLOYMENT],
+                    help="what a trial is: placement (default: lora-opt's placement, each adapter on its GPUs) or "
+                         "every-gpu (every adapter on every GPU, one A_max); several: one study each, fronts merged")
+    add_fleet_flags(se, ROUTERS, ADAPTER_MODES, several=True)
     se.add_argument("--history", metavar="LOG.csv",
                     help="request log (as for place): rates and search traffic from its first half, the front "
                          "replayed on its second half")
@@ -78,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     from twin.errors import ScenarioError
     from lora_opt.tracking import log_command_run
 
-    from lora_opt.search.study import (SearchSetup, check_storage, front_table, load_study, replay_front, run_search,
-                                       traffic_halves)
+    from lora_opt.placement.instances import FleetOptions
+    from lora_opt.search.study import (SearchSetup, check_storage, front_table, load_study, merge_fronts, replay_front,
+                                       run_search, traffic_halves)
 
     if args.backend == "tune":
         try:
@@ -105,45 +113,70 @@ def run(args: argparse.Namespace) -> int:
         # with a log, its first half sets the rates and is searched on; its second half is held out
         wl, search_traffic, heldout, ctx_kw = traffic_halves(wl, args.history)
         ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
-        setup = SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective, batch=args.batch)
+        scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
+        setups = [SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective, batch=args.batch,
+                                    fleet=FleetOptions(router, args.adapters, **scrape), deployment=deployment)
+                  for deployment in dict.fromkeys(args.deployment) for router in dict.fromkeys(args.router)]
         prep.set_description_str("search: setup ready")
-    kw = dict(trials=args.trials, storage=storage, study_name=args.study, seed=args.seed, workers=args.workers,
+    kw = dict(trials=args.trials, storage=storage, seed=args.seed, workers=args.workers,
               ray_address=args.ray_address, seeds=not args.no_seeds)
-    if args.backend == "tune":
-        from lora_opt.search.tune import run_tune_search
-        res = run_tune_search(setup, ctx, search_traffic, tune_dir=out / "tune", **kw)
-    else:
-        res = run_search(setup, ctx, search_traffic, timeout_s=args.timeout_s, **kw)
-    rows = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
-    for r in rows:
-        r.pop("placement").save(out / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
-    from lora_opt.search.plots import write_study_plots
-    plots = write_study_plots(load_study(res.storage, res.study_name), out, args.gpus, args.objective)
+    several = len(setups) > 1
+    studies, rows, plots = [], [], []
+    for setup in setups:
+        # several studies (deployment x router): --study names the first; the others get their default names
+        name = args.study if not studies else None
+        where = out / f"{setup.deployment}-{setup.fleet.router}" if several else out
+        where.mkdir(parents=True, exist_ok=True)
+        if args.backend == "tune":
+            from lora_opt.search.tune import run_tune_search
+            res = run_tune_search(setup, ctx, search_traffic, tune_dir=where / "tune", study_name=name, **kw)
+        else:
+            res = run_search(setup, ctx, search_traffic, timeout_s=args.timeout_s, study_name=name, **kw)
+        front = replay_front(res.front, setup, heldout, workers=args.workers, ray_address=args.ray_address)
+        for r in front:
+            r.pop("placement").save(where / f"placement-{r['gpus']}gpus-trial{r['trial']}.json")
+            r["study"] = res.study_name
+        from lora_opt.search.plots import write_study_plots
+        plots += write_study_plots(load_study(res.storage, res.study_name), where, args.gpus, args.objective)
+        studies.append((setup, res, front))
+        rows += front
+    setup, res = studies[0][0], studies[0][1]
+    if several:
+        rows = merge_fronts(rows, args.objective)
+    wall_s = sum(r.wall_s for _, r, _ in studies)
     result = {"study": res.study_name, "storage": res.storage, "backend": args.backend, "seed": args.seed,
               "reproducible": args.backend == "ask-tell",
-              "criterion": setup.criterion.label, "objective": args.objective, "trials": res.trials,
-              "complete": res.complete, "failed": res.failed, "wall_s": res.wall_s, "front": rows,
-              "plots": [str(p) for p in plots]}
+              "criterion": setup.criterion.label, "objective": args.objective,
+              "trials": sum(r.trials for _, r, _ in studies), "complete": sum(r.complete for _, r, _ in studies),
+              "failed": sum(r.failed for _, r, _ in studies), "wall_s": wall_s, "front": rows,
+              "plots": [str(p) for p in plots], "adapters": args.adapters,
+              "studies": [{"study": r.study_name, "deployment": s.deployment, "router": s.fleet.router,
+                           "adapters": s.fleet.adapters, "trials": r.trials, "complete": r.complete,
+                           "failed": r.failed, "front_points": len(f)} for s, r, f in studies]}
     atomic_write_json(out / "front.json", result, indent=1, default=str)
     log_command_run("search", res.study_name, params={"workload": wl.name, "gpus": args.gpus, "trials": args.trials,
                     "objective": args.objective, "criterion": setup.criterion.label, "storage": res.storage,
-                    "study": res.study_name, "backend": args.backend},
-                    metrics={"trials": res.trials, "complete": res.complete, "failed": res.failed, "front_points": len(rows)},
+                    "study": res.study_name, "backend": args.backend, "deployments": ",".join(args.deployment),
+                    "routers": ",".join(args.router), "adapters": args.adapters},
+                    metrics={"trials": result["trials"], "complete": result["complete"], "failed": result["failed"],
+                             "front_points": len(rows)},
                     artifacts=[out], profile=wl.profile, seeds={"sampler": args.seed, "evaluation": wl.evaluation.seed},
-                    wall_s=res.wall_s, tracking_uri=args.tracking_uri, track=not args.no_track)
+                    wall_s=wall_s, tracking_uri=args.tracking_uri, track=not args.no_track)
     code = 0 if rows else EXIT_NOT_ACCEPTABLE   # ran, no feasible point
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return code
-    print(f"study {res.study_name} in {res.storage} ({args.backend}): {res.trials} trials ({res.complete} complete, "
-          f"{res.failed} failed{_stale_note(res.resumed_stale, args.backend)}); "
-          f"{res.wall_s:.0f} s; criterion {setup.criterion.label}")
+    for s, r, _ in studies:
+        print(f"study {r.study_name} in {r.storage} ({args.backend}): {r.trials} trials ({r.complete} complete, "
+              f"{r.failed} failed{_stale_note(r.resumed_stale, args.backend)}); "
+              f"{r.wall_s:.0f} s; criterion {s.criterion.label}" + (f"; {s.label}" if s.label != "placement / static / static" else ""))
     if args.backend == "tune":
         print("  (tune: the trials depend on the order they finished in -- not reproducible across runs or "
               "--workers; the default backend is)")
-    print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay):")
+    print("Pareto front (GPUs vs " + args.objective + " in ms; search traffic, then the held-out replay"
+          + ("; across the studies" if several else "") + "):")
     print(front_table(rows, args.objective) if rows else "  no feasible trial: no placement met the criterion "
           f"(exit status {EXIT_NOT_ACCEPTABLE}); try more --trials or --gpus, or a looser criterion")
     print(f"  -> {out}/front.json, placement-*.json, pareto_front.png, hypervolume_history.png;  "
-          f"optuna-dashboard {res.storage}")
+          + ("(one folder per study) " if several else "") + f"optuna-dashboard {res.storage}")
     return code

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lora_opt.cli.common import SEED
+from lora_opt.cli.conventions import SEED
 from lora_opt.io import atomic_write_bytes, atomic_write_text
 
 

@@ -5,8 +5,7 @@ import argparse
 import json
 import logging
 
-from lora_opt.cli.common import add_tracking_flag
-from lora_opt.cli.conventions import route_mlflow_prints, show_progress
+from lora_opt.cli.conventions import add_tracking_flag, route_mlflow_prints, show_progress
 
 log = logging.getLogger(__name__)
 

@@ -6,19 +6,30 @@ import argparse
 import json
 from pathlib import Path
 
-from lora_opt.cli.common import NONNEGATIVE_S, POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range
-from lora_opt.cli.conventions import show_progress
+from lora_opt.cli.conventions import (NONNEGATIVE_S, POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range,
+                                      show_progress)
 from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
 from twin.workload import TRACES
 
 
 def register(sub) -> None:
     v = sub.add_parser("validate", help="replay a placement's traffic on live endpoints and compare with the twin "
-                                        "(one MLflow run in experiment 'validation')")
+                                        "(one MLflow run in experiment 'validation')",
+                       description="Replay a placement's traffic on live endpoints, write what was measured, then "
+                                   "run the twin on the same requests (as the endpoints admit them: vLLM >= 0.32 "
+                                   "clamps max_tokens to max_model_len - prompt, older versions refuse) and compare. "
+                                   "Exit status: 0 all requests succeeded; 3 some failed; 5 the live side was "
+                                   "measured and written but the twin step failed (reason in twin_error.json); "
+                                   "130 Ctrl-C (what was measured is written); 2 bad input.")
     v.add_argument("placement", help="placement.json written by lora-opt place (or the directory holding it)")
-    v.add_argument("--endpoints", nargs="+", required=True, metavar="ROUTER_JSON|URL",
-                   help="router.json (adapter -> endpoints, as place --emit-vllm writes it), or one URL per GPU "
-                        "(http://HOST:PORT[/v1]) in GPU order: one per GPU of the placement or one per used GPU")
+    target = v.add_mutually_exclusive_group(required=True)
+    target.add_argument("--endpoints", nargs="+", metavar="ROUTER_JSON|URL",
+                        help="router.json (adapter -> endpoints, as place --emit-vllm writes it), or one URL per GPU "
+                             "(http://HOST:PORT[/v1]) in GPU order: one per GPU of the placement or one per used GPU")
+    target.add_argument("--twin-only", metavar="RUN_DIR",
+                        help="send nothing: run the twin again on the requests of the validation stored in RUN_DIR "
+                             "(an earlier --out) with the placement's profile as it is now (after a recalibration), "
+                             "compare with what was measured there and rewrite the twin's files in RUN_DIR")
     v.add_argument("--workload", help="workload file (its evaluation section: arrivals, lengths, seed); default: "
                                       "Poisson at the placement's rates")
     src = v.add_mutually_exclusive_group()          # the request sources, as evaluate takes them
@@ -68,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if [a.id for a in wl.adapters] != [a.id for a in p.adapters]:
         raise InputError("placement and workload list different adapters (ids or order); validate the placement "
                          "with the workload it was made for")
+    if args.twin_only:
+        return _twin_only(args, p, wl)
     requests = None
     if args.history:
         requests, span = _log_requests(wl, args.history, args.duration)
@@ -86,21 +99,51 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: summary[k] for k in ("info", "comparison", "bench", "exit_status")}, default=str))
         return status
-    b, c = summary["bench"], summary["comparison"]
-    print(f"validate {path} on {len(urls)} endpoint(s) ({', '.join(sorted(set(summary['info']['versions'].values())))})"
-          f": {summary['info']['requests']:,} requests, {b['completed']:,} ok, {b['failed']:,} failed, "
+    b, c, info = summary["bench"], summary["comparison"], summary["info"]
+    adm = info["admission"]
+    print(f"validate {path} on {len(urls)} endpoint(s) ({', '.join(sorted(set(info['versions'].values())))})"
+          f": {info['requests']:,} requests, {b['completed']:,} ok, {b['failed']:,} failed, "
           f"{b['unfinished']:,} unfinished at the window's end"
           + (f", {b['not_sent']:,} not sent" if b["not_sent"] else ""))
+    if adm["clamped"] or adm["refused"]:
+        print(f"over max_model_len: {adm['clamped']:,} request(s) served with max_tokens clamped, {adm['refused']:,} "
+              "refused by the endpoints' rules (vLLM's; left out of the twin)")
     print("real:")
     print(evaluation_table(summary["real"]))
-    print("twin (same requests):")
-    print(evaluation_table(summary["twin"]))
-    print("SMAPE % per metric (over GPUs): " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_per_metric"].items()))
-    print("SMAPE % of the fleet: " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_fleet"].items()))
-    print(f"wrote {args.out}/ (real.json, twin.json, comparison.json, bench.json, requests.csv, timeseries.csv, plots/)")
+    if summary["twin"] is None:
+        print(f"twin: could not run: {info['twin']['reason']}")
+        print(f"wrote {args.out}/ (real.json, bench.json, requests.csv, timeseries.csv, plots/; the twin's failure: "
+              "twin_error.json)")
+    else:
+        print("twin (same requests, as the endpoints admit them):")
+        print(evaluation_table(summary["twin"]))
+        print("SMAPE % per metric (over GPUs): " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_per_metric"].items()))
+        print("SMAPE % of the fleet: " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_fleet"].items()))
+        print(f"wrote {args.out}/ (real.json, twin.json, comparison.json, bench.json, requests.csv, timeseries.csv, "
+              "plots/)")
     if summary["info"]["interrupted"]:
         print("interrupted: the outputs hold what was measured until Ctrl-C")
     return status
+
+
+def _twin_only(args: argparse.Namespace, p, wl) -> int:
+    from lora_opt.errors import InputError
+    from lora_opt.validate.retwin import retwin
+
+    given = [f for f in ("arrivals", "trace", "history", "mapping", "time_scale", "start_s", "lengths", "duration",
+                         "seed") if getattr(args, f) is not None]
+    if given:
+        raise InputError(f"--twin-only takes the stored run's requests; drop --{given[0].replace('_', '-')}")
+    res = retwin(args.twin_only, p, wl, workers=args.workers)
+    c = res["comparison"]
+    if args.json:
+        print(json.dumps({"comparison": c}, default=str))
+        return 0
+    print(f"validate --twin-only {args.twin_only}: the twin again on the run's {res['info']['requests']:,} requests "
+          f"(profile {p.profile})")
+    print("SMAPE % per metric (over GPUs): " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_per_metric"].items()))
+    print(f"wrote {args.twin_only}/ (twin.json, comparison.json, twin_timeseries.csv, plots/)")
+    return 0
 
 
 def _log_requests(wl, path: str, duration: float | None):

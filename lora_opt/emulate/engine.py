@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from twin.engine import DONE, STEPPED, step
-from twin.engine_online import abort_request, first_times, gauges, lora_usage, step_outputs
+from twin.engine_online import (
+    abort_request,
+    first_times,
+    gauges,
+    lora_usage,
+    step_outputs,
+)
 from twin.engine_state import add_request
 from twin.profile import Profile
 from twin.scenario import AdapterGroup, Scenario
@@ -108,12 +114,16 @@ class OnlineEngine:
     ``token(req, itl)``, ``queued(req, queue_s)``, ``finished(req)`` in simulated seconds."""
 
     def __init__(self, sc: Scenario, profile: Profile, eng: dict, kv_tokens: int, *, speed: float = 1.0,
-                 seed: int = 0, observer=None, runtime_slots: int = 0):
+                 seed: int = 0, observer=None, runtime_slots: int = 0, preloaded: list[int] | None = None):
+        """``preloaded``: indices into ``sc.adapters`` of the adapters loaded at start-up
+        (``--lora-modules``, in order; the others are loaded on first use); None: all of them."""
         self.sc = online_scenario(sc, runtime_slots, eng["max_lora_rank"])
         self.profile, self.eng, self.speed = profile, eng, float(speed)
         empty = Requests(arrival=np.zeros(0), adapter=np.zeros(0, np.int32), in_len=np.zeros(0, np.int32),
                          out_len=np.zeros(0, np.int32))
-        self.state = engine_state(self.sc, profile, eng, empty, kv_tokens)
+        if preloaded is not None:           # the kernel's table has the base adapter and the spares first
+            preloaded = np.asarray(preloaded, np.int64) + 1 + runtime_slots
+        self.state = engine_state(self.sc, profile, eng, empty, kv_tokens, preloaded=preloaded)
         lat = profile.latency
         self._fe = (lat.ttft_frontend_ms / 1000.0, lat.ttft_frontend_per_running_ms / 1000.0)
         self.rng = np.random.default_rng(seed)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -15,17 +16,33 @@ from lora_opt.emulate.engine import RUNTIME_ID, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
 from lora_opt.emulate.router import RouteTable, build_router_app
 from lora_opt.emulate.server import Instance, build_app
-
-#: adapters an instance can load at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING) beyond those it started with
-RUNTIME_LORA_SLOTS = 32
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
-from twin.flags import VLLM_LORA_RANKS
+from lora_opt.placement.workload_file import scenario_adapters
+from twin.fleet import SCRAPE_INTERVAL_S, check_adapter_mode
+from twin.flags import VLLM_LORA_RANKS, max_lora_rank_for
 from twin.profile import LoadingSpec
 from twin.scenario import Scenario, build_scenario, load_scenario, replace
 
+#: adapters an instance can load at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING) beyond those it started with
+RUNTIME_LORA_SLOTS = 32
 #: lengths the emulator draws EOS stops from when only flags are given
 DEFAULT_LENGTHS = "sharegpt"
+
+
+def free_ports(k: int = 1, host: str = "127.0.0.1") -> int:
+    """The first of ``k`` consecutive free ports on ``host`` (a fleet of ``--instances k`` from ``--port``)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        try:
+            for i in range(1, k):
+                with socket.socket() as s:
+                    s.bind((host, base + i))
+            return base
+        except OSError:
+            continue
 
 
 class StartupError(InputError):
@@ -45,6 +62,9 @@ class InstanceSpec:
     """The placement's GPU index (fleets)."""
     enable_lora: bool = True
     """False: vLLM without ``--enable-lora`` (base model only: no LoRA cost, no slots, no loads)."""
+    preloaded: tuple | None = None
+    """Ids of the adapters loaded at start-up (``--lora-modules``, in order); the scenario's other
+    adapters are loaded on first use (on-demand adapters).  None: all of them."""
 
     @property
     def endpoint(self) -> str:
@@ -76,14 +96,18 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
         reason = f"KV cache holds {max(kv_tokens, 0)} tokens < max_model_len {eng['max_model_len']}"
     if not starts:
         raise StartupError(f"{spec.name}: {_vllm_oom_message(reason, eng)}")
+    preloaded = None
     if spec.enable_lora:
         ids, _, _ = sc.adapter_table()
+        if spec.preloaded is not None:
+            at = {a: k for k, a in enumerate(ids)}
+            preloaded = [at[a] for a in spec.preloaded]
     model = spec.served_model_name or profile.model.name
     spares = RUNTIME_LORA_SLOTS if runtime_lora_updating else 0
     # engine index 0: base-model requests; 1..spares: slots for adapters loaded at run time
     metrics = EngineMetrics(model, [f"{RUNTIME_ID}{k}" for k in range(spares)] + list(ids), eng["max_loras"])
     engine = OnlineEngine(sc, profile, eng, kv_tokens, speed=speed, seed=seed, observer=metrics,
-                          runtime_slots=spares)
+                          runtime_slots=spares, preloaded=preloaded)
     return Instance(engine=engine, model=model, adapters={a: k + 1 + spares for k, a in enumerate(ids)},
                     vllm_version=profile.vllm_version, metrics=metrics, max_model_len=eng["max_model_len"],
                     runtime_lora_updating=runtime_lora_updating, free_slots=list(range(1, 1 + spares)))
@@ -140,7 +164,7 @@ def spec_from_flags(profile: str, modules: list[str], engine: dict, *, port: int
         return InstanceSpec(sc, port=port, host=host, served_model_name=served_model_name, name="instance",
                             enable_lora=False)
     if engine.get("max_lora_rank") is None:
-        engine = {**engine, "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= max(a["rank"] for a in adapters))}
+        engine = {**engine, "max_lora_rank": max_lora_rank_for(a["rank"] for a in adapters)}
     sc = build_scenario(profile, adapters, engine={k: v for k, v in engine.items() if v is not None},
                         lengths=lengths, where="flags")
     return InstanceSpec(sc, port=port, host=host, served_model_name=served_model_name, name="instance")
@@ -162,9 +186,13 @@ def _router_ports(router: dict, p: Placement) -> dict[int, tuple[str, int]]:
 
 
 def specs_from_placement(path: str, *, base_port: int | None, host: str | None,
-                         lengths: str = DEFAULT_LENGTHS) -> list[InstanceSpec]:
+                         lengths: str = DEFAULT_LENGTHS, adapters: str = "static") -> list[InstanceSpec]:
     """One instance per used GPU of a placement, with its flags and adapters, on the port its
-    ``router.json`` (next to placement.json) names, or ``base_port + GPU index``."""
+    ``router.json`` (next to placement.json) names, or ``base_port + GPU index``.  ``adapters``:
+    ``static`` serves the adapters placed on the GPU; ``on-demand`` serves every adapter of the
+    placement its ``--max-lora-rank`` admits, those placed on it loaded at start-up, the others on
+    first use (the fleet twin's instances: ``lora_opt.placement.instances.fleet_engines``)."""
+    check_adapter_mode(adapters)
     try:
         p = Placement.load(path)
     except (OSError, ValueError) as exc:
@@ -175,16 +203,29 @@ def specs_from_placement(path: str, *, base_port: int | None, host: str | None,
         ports = _router_ports(json.loads(router_file.read_text()), p)
     specs = []
     for g, flags in enumerate(p.gpus):
-        adapters = p.adapters_on(g)
-        if not adapters:
+        placed = p.adapters_on(g)
+        if not placed:
             continue
         h, port = ports.get(g, ("127.0.0.1", (base_port or 8000) + g))
-        sc = build_scenario(p.profile, [{"id": a.id, "rank": a.rank, "rate": max(a.rate, 1e-9)} for a in adapters],
+        served, preloaded = placed, None
+        if adapters == "on-demand":
+            served = [a for a in p.adapters if a.rank <= flags.max_lora_rank]     # vLLM rejects the others
+            on = {a.id for a in placed}
+            preloaded = tuple(a.id for a in served if a.id in on)
+        sc = build_scenario(p.profile, scenario_adapters(served),
                             engine=dataclasses.asdict(flags), lengths=lengths, where=f"placement GPU {g}")
-        specs.append(InstanceSpec(sc, port=port, host=host or h, name=f"GPU {g}", gpu=g))
+        specs.append(InstanceSpec(sc, port=port, host=host or h, name=f"GPU {g}", gpu=g, preloaded=preloaded))
     if not specs:
         raise InputError(f"--placement: {path} routes no adapter to any GPU")
     return specs
+
+
+def identical_fleet(spec: InstanceSpec, k: int) -> list[InstanceSpec]:
+    """``k`` instances of ``spec`` on ports ``spec.port``, ``spec.port + 1``, ... (a plain fleet:
+    every instance serves every adapter)."""
+    if spec.port + k - 1 > 65535:
+        raise InputError(f"--instances {k}: ports {spec.port}..{spec.port + k - 1} exceed 65535")
+    return [dataclasses.replace(spec, port=spec.port + i, name=f"instance {i}") for i in range(k)]
 
 
 def route_table(specs: list[InstanceSpec], placement_path: str | None = None) -> dict:
@@ -196,11 +237,29 @@ def route_table(specs: list[InstanceSpec], placement_path: str | None = None) ->
         for aid, routes in Placement.load(placement_path).routes.items():
             table[aid] = [{"endpoint": by_gpu[g].endpoint, "weight": w} for g, w in routes if g in by_gpu]
         return table
+    return {a: [{"endpoint": ep, "weight": 1.0} for ep in eps] for a, eps in servers_of(specs).items()}
+
+
+def servers_of(specs: list[InstanceSpec]) -> dict[str, list[str]]:
+    """Adapter id -> the endpoints of the instances whose adapter table holds it."""
+    out: dict = {}
     for s in specs:
+        if not s.enable_lora:
+            continue
         ids, _, _ = s.scenario.adapter_table()
         for a in ids:
-            table.setdefault(a, []).append({"endpoint": s.endpoint, "weight": 1.0})
-    return table
+            out.setdefault(a, []).append(s.endpoint)
+    return out
+
+
+def front(specs: list[InstanceSpec], instances: list[Instance], placement_path: str | None, *, policy: str = "static",
+          seed=0, scrape_interval_s: float = SCRAPE_INTERVAL_S) -> RouteTable:
+    """The router in front of the instances started here: ``policy`` (``twin.routers``) choosing
+    among the instances that serve each adapter, ``static`` with the placement's weights (or equal
+    weights), reading the instances' own state for the policies that read metrics."""
+    return RouteTable(route_table(specs, placement_path), seed, policy=policy, endpoints=[s.endpoint for s in specs],
+                      candidates=servers_of(specs), engines=[(i.engine, i.adapters) for i in instances],
+                      scrape_interval_s=scrape_interval_s)
 
 
 def with_lengths(spec: InstanceSpec, lengths: str) -> InstanceSpec:
@@ -232,8 +291,8 @@ async def _serve_one(server) -> bool:
 async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
                 ready=None, stop: asyncio.Event | None = None, router: tuple | None = None) -> None:
     """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set); ``ready``:
-    called once every server listens.  ``router``: (host, port, router table) of a front that
-    forwards to the instances by the table's weights (``lora_opt.emulate.router``)."""
+    called once every server listens.  ``router``: (host, port, :class:`RouteTable`) of a front
+    that forwards to the instances (``lora_opt.emulate.router``; :func:`front`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -245,11 +304,14 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     for spec, inst in instances:
         inst.engine.start()
         servers.append(_server(build_app(inst), spec.host, spec.port, log_level))
-    fronts = []
+    fronts, scraping = [], None
     if router is not None:
         host, port, table = router
-        servers.append(_server(build_router_app(RouteTable(table)), host, port, log_level))
+        servers.append(_server(build_router_app(table), host, port, log_level))
         fronts.append(InstanceSpec(scenario=None, port=port, host=host, name="router"))
+        if table.policy.reads_state == "metrics":
+            table.scrape()              # compiles the kernel's scrape before the first request needs it
+            scraping = asyncio.ensure_future(table.scrape_every_interval())
     tasks = [asyncio.ensure_future(_serve_one(s)) for s in servers]
     while not all(s.started for s in servers):
         if any(t.done() for t in tasks):
@@ -260,6 +322,8 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
         ready()
     if not failed:
         await stop.wait()
+    if scraping is not None:
+        scraping.cancel()
     for s in servers:
         s.should_exit = True
     for _, inst in instances:

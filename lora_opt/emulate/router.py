@@ -1,70 +1,288 @@
 """A front for a fleet: reads a router table (``router.json``: adapter -> [{endpoint, weight}]) and
-forwards each completions / chat request to one endpoint of its adapter, drawn with the
-placement's weights; streams pass through byte for byte (a client that goes away closes the
-upstream stream, so the instance aborts the request).  Works for emulated and real fleets alike.
+forwards each completions / chat request to one instance that can serve its adapter, chosen by a
+router policy of the fleet twin (``twin.routers``: ``static`` draws with the placement's weights,
+``round-robin``, ``least-requests``, ``power-of-two``, ``consistent-hash``, ``lora-affinity``; see
+:class:`RouteTable`); streams pass through event by event (a client that goes away closes the
+upstream connection, so the instance aborts the request).  Works for emulated and real fleets alike
+(a policy reading the instances' metrics: emulated fleets served by this process).
 Any other model name (the base model, an unknown adapter) goes to one endpoint drawn uniformly,
-which answers it (vLLM's 404 for an unknown adapter)."""
+which answers it (vLLM's 404 for an unknown adapter); so does a body that is not JSON (the
+instance answers vLLM's 400).
+
+It answers as a gateway when an instance cannot: an instance that refuses or drops the connection
+is a 502, one that does not accept it within ``connect_timeout_s`` (or, when set, does not answer
+within ``read_timeout_s``) a 504, an empty route table a 503 -- every error in vLLM's shape
+``{"error": {"message", "type", "param", "code"}}`` with ``type`` the HTTP phrase, as vLLM's own
+handler of HTTP errors writes it.  A stream whose instance dies after it started cannot change
+its status: it ends with an error event and ``data: [DONE]``, as vLLM ends a stream that fails
+after its 200.  No request is retried on another instance: the placement's routing is what the
+router imitates, and a dead instance should show, not be hidden."""
 # no "from __future__ import annotations": FastAPI reads the route annotations (Request) at definition
 
+import asyncio
 import json
-import random
+import math
+import time
+from http import HTTPStatus
 
-from lora_opt.emulate.protocol import APIError
+import numpy as np
+
+from lora_opt.emulate.request_validation import APIError
+from lora_opt.errors import InputError
+from twin.engine_fleet import scrape
+from twin.fleet import SCRAPE_INTERVAL_S
+from twin.routers import FleetView, RouterSetup, make_router
+
+#: request headers passed on to the instance (the body's type, vLLM's request id and API key, the
+#: emulator's send instant -- lora_opt.emulate.server.SENT_HEADER)
+FORWARDED_HEADERS = ("content-type", "authorization", "x-request-id", "x-lora-opt-sent")
+#: seconds an instance has to accept a connection before the router answers 504
+CONNECT_TIMEOUT_S = 10.0
+#: seconds the router waits for each instance's /v1/models when it lists the fleet's models
+MODELS_TIMEOUT_S = 5.0
+#: the generator stream (spawned from the router's seed) of requests no policy routes
+UNROUTED_STREAM = 99
+
+
+def gateway_error(status: int, message: str) -> APIError:
+    """An error the router itself answers: vLLM's shape, ``type`` the HTTP phrase (vLLM's handler
+    of HTTP errors: ``HTTPStatus(code).phrase``)."""
+    return APIError(status, message, HTTPStatus(status).phrase)
+
+
+def upstream_error(exc: Exception, endpoint: str, read_timeout_s: float | None) -> APIError:
+    """The gateway's answer to a failed exchange with ``endpoint``: 504 when it timed out, else 502."""
+    import httpx
+    if isinstance(exc, httpx.ConnectTimeout):
+        return gateway_error(504, f"upstream {endpoint} did not accept the connection within {CONNECT_TIMEOUT_S:g} s")
+    if isinstance(exc, httpx.TimeoutException):
+        return gateway_error(504, f"upstream {endpoint} did not answer within {read_timeout_s:g} s")
+    if isinstance(exc, httpx.ConnectError):
+        return gateway_error(502, f"upstream {endpoint} is unreachable: {str(exc) or 'connection refused'}")
+    return gateway_error(502, f"upstream {endpoint} failed: {type(exc).__name__}: {str(exc) or 'connection lost'}")
 
 
 class RouteTable:
-    """adapter id -> (endpoints, weights); ``pick`` draws one endpoint (seeded)."""
+    """The front's routing: adapter id -> the instances (endpoints) that can serve it, and a
+    ``twin.routers`` policy choosing one per request -- the fleet twin's own policies, fed a
+    ``twin.routers.FleetView`` built as the fleet twin builds it (one owner of every routing rule):
 
-    def __init__(self, table: dict, seed: int = 0):
-        self.routes = {a: ([e["endpoint"].rstrip("/") for e in es], [float(e["weight"]) for e in es])
-                       for a, es in table.items() if es}
-        self.endpoints = sorted({e for es, _ in self.routes.values() for e in es})
-        self.rng = random.Random(seed)
+    * ``table``: adapter id -> [{endpoint, weight}] (``router.json``; the ``static`` policy's weights);
+    * ``candidates``: adapter id -> endpoints that can serve it (default: its table entries;
+      on-demand adapters: every instance whose ``--max-lora-rank`` admits it);
+    * ``endpoints``: the instances in fleet order (engine index k = ``endpoints[k]``; default sorted);
+    * in flight: the router's own count per instance (sent, response not yet ended: :meth:`done`);
+    * scraped metrics (policies reading ``metrics``): the instances' kernel states, read by
+      :meth:`scrape` every ``scrape_interval_s`` simulated seconds (``engines``: one
+      ``(OnlineEngine, {adapter id: its index in that engine})`` per endpoint; the emulator's
+      instances run in this process).
+
+    A model no candidate list names (the base model, an unknown adapter) goes to an instance drawn
+    uniformly by a generator of its own (the instance answers it; not a request the policy routes)."""
+
+    def __init__(self, table: dict, seed=0, *, policy: str = "static", endpoints: list[str] | None = None,
+                 candidates: dict | None = None, engines: list | None = None,
+                 scrape_interval_s: float = SCRAPE_INTERVAL_S):
+        routes = {a: [(e["endpoint"].rstrip("/"), float(e["weight"])) for e in es] for a, es in table.items() if es}
+        cands = {a: [ep.rstrip("/") for ep in eps] for a, eps in (candidates or {}).items() if eps} or \
+            {a: [ep for ep, _ in rs] for a, rs in routes.items()}
+        known = {ep for eps in cands.values() for ep in eps} | {ep for rs in routes.values() for ep, _ in rs}
+        self.endpoints = [ep.rstrip("/") for ep in endpoints] if endpoints else sorted(known)
+        index = {ep: k for k, ep in enumerate(self.endpoints)}
+        missing = sorted(known - set(index))
+        if missing:
+            raise InputError(f"router: endpoints {', '.join(missing)} are not instances of the fleet")
+        self.adapter_ids = sorted(set(cands) | set(routes))
+        self.adapter_index = {a: k for k, a in enumerate(self.adapter_ids)}
+        self.candidates = {self.adapter_index[a]: np.array(sorted({index[ep] for ep in eps}), np.int64)
+                           for a, eps in cands.items()}
+        n = len(self.endpoints)
+        setup = RouterSetup(n_engines=n, adapter_ids=self.adapter_ids, seed=seed,
+                            routes={self.adapter_index[a]: [(index[ep], w) for ep, w in rs] for a, rs in routes.items()})
+        self.policy = make_router(policy, setup)
+        self.view = FleetView(np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n),
+                              [frozenset()] * n, [frozenset()] * n, np.zeros(n, np.int64))
+        self.engines = None
+        if engines is not None:
+            if len(engines) != n:
+                raise InputError(f"router: {len(engines)} engines for {n} endpoints")
+            self.view.max_loras[:] = [eng.eng["max_loras"] for eng, _ in engines]
+            self.engines = []
+            for eng, ids in engines:        # engine adapter index -> fleet adapter index (-1: base, spares)
+                to_fleet = np.full(len(eng.sc.adapter_table()[0]), -1, np.int64)
+                for aid, k in ids.items():
+                    to_fleet[k] = self.adapter_index.get(aid, -1)
+                self.engines.append((eng, to_fleet))
+        elif self.policy.reads_state == "metrics":
+            raise InputError(f"--router {policy}: reads the instances' metrics, which only an emulated fleet "
+                             "served by this process has here")
+        self.scrape_interval_s = float(scrape_interval_s)
+        self.scrapes = 0
+        self.requests = 0           # requests the policy routed (the static policy's draw index)
+        ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+        # models the policy does not route: a stream of their own, so they never shift the policy's draws
+        self.rng = np.random.default_rng(np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, UNROUTED_STREAM)))
 
     def pick(self, model: str | None) -> str:
-        if model in self.routes:
-            endpoints, weights = self.routes[model]
-            return self.rng.choices(endpoints, weights)[0]
-        if not self.endpoints:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
-        return self.rng.choice(self.endpoints)
+        """The endpoint of ``model``'s next request (counted in flight: call :meth:`done` at its end)."""
+        return self.endpoints[self.pick_engine(model)]
+
+    def pick_engine(self, model: str | None) -> int:
+        a = self.adapter_index.get(model) if model is not None else None
+        if a is None or a not in self.candidates:
+            if not self.endpoints:
+                raise gateway_error(503, "the router has no instance to send the request to (empty route table)")
+            e = int(self.rng.integers(len(self.endpoints)))
+        else:
+            reads = self.policy.reads_state
+            e = self.policy.pick(self.requests, a, self.candidates[a], self.view if reads else None)
+            self.requests += 1
+        self.view.in_flight[e] += 1
+        return e
+
+    def done(self, engine: int) -> None:
+        """A response of ``engine`` ended (finished, failed or abandoned)."""
+        self.view.in_flight[engine] -= 1
+
+    def scrape(self) -> None:
+        """Read every instance's metrics now (``twin.engine_fleet.scrape``: what vLLM's ``/metrics``
+        says), adapter indices mapped to the fleet's."""
+        v = self.view
+        for e, (eng, to_fleet) in enumerate(self.engines):
+            v.running[e], v.waiting[e], v.kv_usage[e], run, wait = scrape(eng.state)
+            run, wait = to_fleet[run], to_fleet[wait]
+            v.running_adapters[e] = frozenset(run[run >= 0].tolist())
+            v.waiting_adapters[e] = frozenset(wait[wait >= 0].tolist())
+        self.scrapes += 1
+
+    async def scrape_every_interval(self) -> None:
+        """Scrape at every simulated ``k x scrape_interval_s`` (the first instance's clock) until
+        cancelled -- the fleet twin's ticks; a policy reading nothing does not need it."""
+        clock = self.engines[0][0]
+        dt = self.scrape_interval_s
+        k = 0
+        while True:
+            k = max(k + 1, math.floor(clock.sim_now() / dt) + 1) if dt > 0 else k + 1
+            wait = clock.t0 + k * dt / clock.speed - time.perf_counter() if dt > 0 else 0.001
+            await asyncio.sleep(max(0.0, wait))
+            self.scrape()
 
 
-def build_router_app(table: RouteTable):
+def model_of(raw: bytes) -> str | None:
+    """The body's ``model`` when the body is a JSON object naming one (else None: any instance
+    answers it, and the instance says what is wrong with the body)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):         # not JSON, or nested past the parser's depth
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def error_event(err: APIError) -> bytes:
+    """The end of a stream whose instance failed after it started: an error event and ``[DONE]``
+    (vLLM's in-stream error, serialized with json.dumps as vLLM does)."""
+    return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+
+
+async def relay_events(resp, endpoint: str, read_timeout_s: float | None, on_end=None):
+    """An SSE body, passed on whole events at a time: when the instance fails mid-way, a partial
+    event is dropped and the stream ends with :func:`error_event` instead of a broken connection.
+    ``on_end``: called once the stream is over (the router's in-flight count)."""
+    import httpx
+    tail = b""                                  # bytes after the last complete event
+    try:
+        async for chunk in resp.aiter_raw():
+            data = tail + chunk if tail else chunk
+            lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")    # vLLM ends events with \n\n
+            cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+            if cut:
+                yield data[:cut]
+                tail = data[cut:]
+            else:
+                tail = data
+        if tail:                                # the instance ended its body mid-event
+            yield tail
+    except (httpx.HTTPError, OSError) as exc:
+        yield error_event(upstream_error(exc, endpoint, read_timeout_s))
+    finally:                                    # also when the client went away: close the upstream
+        await resp.aclose()
+
+
+async def until_client_gone(request) -> None:
+    """Returns when the client disconnects (the body is read already: the next ASGI message is the
+    disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
+    """The router's app.  ``read_timeout_s``: longest wait for an instance's response headers and
+    between its stream's reads before a 504 (None: no limit -- an instance queues what it cannot
+    run yet, as vLLM does, and a long queue is not a dead instance)."""
     # fastapi/httpx only where a router runs
     import httpx
     from fastapi import FastAPI, Request
-    from starlette.background import BackgroundTask
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None)
-    client = httpx.AsyncClient(timeout=None, trust_env=False,
+    client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S), trust_env=False,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
-    async def forward(request: Request, suffix: str):
-        raw = await request.body()
+    def error(e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def send_upstream(request: Request, upstream):
+        """``client.send`` unless the client goes away first (then the upstream request is
+        cancelled, which closes its connection: the instance aborts the request).  None: gone."""
+        send = asyncio.ensure_future(client.send(upstream, stream=True))
+        gone = asyncio.ensure_future(until_client_gone(request))
         try:
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = None                      # the instance answers the malformed body
-            model = body.get("model") if isinstance(body, dict) else None
-            endpoint = table.pick(model if isinstance(model, str) else None)
+            await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not send.done():
+                send.cancel()
+        return send.result() if send.done() and not send.cancelled() else None
+
+    async def forward(request: Request, suffix: str):
+        try:
+            raw = await request.body()
+        except ClientDisconnect:                # gone before its body arrived: nothing to forward
+            return Response(status_code=499)
+        try:
+            engine = table.pick_engine(model_of(raw))
         except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        upstream = client.build_request("POST", endpoint + suffix, content=raw,
-                                        headers={"content-type": "application/json"})
-        resp = await client.send(upstream, stream=True)
-
-        async def relay():
+            return error(e)
+        endpoint = table.endpoints[engine]
+        streaming = False
+        try:
+            headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
             try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            finally:                        # also when the client went away: close the upstream
+                upstream = client.build_request("POST", endpoint + suffix, content=raw, headers=headers)
+                resp = await send_upstream(request, upstream)
+            except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+                return error(upstream_error(exc, endpoint, read_timeout_s))
+            if resp is None:
+                return Response(status_code=499)          # nobody reads it: the client went away
+            media_type = resp.headers.get("content-type")
+            if media_type and media_type.startswith("text/event-stream"):
+                streaming = True                # the relay ends it
+                return StreamingResponse(relay_events(resp, endpoint, read_timeout_s, lambda: table.done(engine)),
+                                         status_code=resp.status_code, media_type=media_type)
+            try:                                # a JSON answer: whole, or a 502 when the instance fails mid-body
+                content = await resp.aread()
+            except (httpx.HTTPError, OSError) as exc:
+                return error(upstream_error(exc, endpoint, read_timeout_s))
+            finally:
                 await resp.aclose()
-
-        return StreamingResponse(relay(), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type"), background=BackgroundTask(resp.aclose))
+            return Response(content, status_code=resp.status_code, media_type=media_type)
+        finally:
+            if not streaming:
+                table.done(engine)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -76,11 +294,32 @@ def build_router_app(table: RouteTable):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": a, "object": "model", "owned_by": "vllm"} for a in table.routes]}
+        """The fleet's models: every instance's cards, each id once (base models, then adapters, as
+        vLLM lists them); an instance that does not answer is left out; none answering: 502."""
+        async def one(endpoint):
+            try:
+                r = await client.get(endpoint + "/models", timeout=MODELS_TIMEOUT_S)
+                data = r.json().get("data") if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError, OSError):
+                return None
+            return [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else None
+        answers = await asyncio.gather(*(one(e) for e in table.endpoints))
+        if table.endpoints and not any(a is not None for a in answers):
+            return error(gateway_error(502, f"no instance answered /v1/models ({', '.join(table.endpoints)})"))
+        cards: dict = {}
+        for card in sorted((m for a in answers if a for m in a), key=lambda m: m.get("parent") is not None):
+            cards.setdefault(card["id"], card)
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/health")
     async def health():
         return Response(status_code=200)
+
+    # an unknown route or method keeps FastAPI's {"detail": ...} answer: real vLLM 0.32 answers those
+    # the same way (its handler of HTTP errors catches FastAPI's HTTPException, not the router's)
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return error(APIError(500, f"the router failed: {type(exc).__name__}", "InternalServerError"))
 
     app.state.client = client
     return app

@@ -12,14 +12,31 @@ connection is never refused by the emulator.
 import asyncio
 import json
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from lora_opt.emulate.engine import BASE_ADAPTER, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
-from lora_opt.emulate.protocol import APIError, Formatter, parse_request
+from lora_opt.emulate.model_files import ModelFiles, no_model_files
+from lora_opt.emulate.protocol import (
+    ApiContext,
+    Formatter,
+    LoadLoRA,
+    UnloadLoRA,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+    read_json_body,
+    request_id,
+    sanitize_message,
+    validate_fields,
+)
+from lora_opt.emulate.request_validation import APIError, DetailError
+from lora_opt.emulate.vllm_versions import VllmBehaviour, choose
 
 #: the vLLM version /version reports when the profile does not say
 EMULATOR_TAG = "lora-opt-emulate"
@@ -28,7 +45,9 @@ EMULATOR_TAG = "lora-opt-emulate"
 @dataclass
 class Instance:
     """An emulated engine and what its API needs: the served model name, adapter ids -> engine
-    adapter index (``loaded`` = servable now: /v1/unload_lora_adapter takes one out)."""
+    adapter index (``loaded`` = servable now, in ``/v1/models`` order: /v1/unload_lora_adapter takes
+    one out, a load puts it at the end), the vLLM version imitated (``behaviour``), the model's
+    tokenizer and vocabulary (``files``), the cards' ``root`` paths."""
 
     engine: OnlineEngine
     model: str
@@ -39,29 +58,63 @@ class Instance:
     runtime_lora_updating: bool = False
     free_slots: list = field(default_factory=list)
     """Engine indices not yet taken by an adapter loaded at run time."""
-    loaded: set = field(default_factory=set)
+    loaded: dict = field(default_factory=dict)
     first_token_late: deque = field(default_factory=lambda: deque(maxlen=100_000))
     """Wall seconds each streamed first token left after its due time (the machine's delay, not
     the schedule's: TTFT measured by a client includes it)."""
+    behaviour: VllmBehaviour | None = None
+    files: ModelFiles = field(default_factory=no_model_files)
+    model_root: str | None = None
+    """The base card's ``root`` (vLLM: the model path or id it was started with)."""
+    lora_roots: dict = field(default_factory=dict)
+    """Adapter id -> its card's ``root`` (vLLM: the adapter's path)."""
+    max_lora_rank: int | None = None
+    """Runtime loads of a higher rank are refused (from the adapter's adapter_config.json)."""
 
     def __post_init__(self):
-        self.loaded = set(self.adapters)
+        self.loaded = dict.fromkeys(self.adapters)
         self.metrics.engine = self.engine
+        self.configure(behaviour=self.behaviour)
 
-    def adapter_of(self, model: str) -> int:
-        if model in ("", self.model):
+    def configure(self, *, behaviour: VllmBehaviour | None = None, files: ModelFiles | None = None,
+                  model_root: str | None = None, lora_roots: dict | None = None,
+                  max_lora_rank: int | None = None) -> None:
+        """Set what the instance imitates (the version: by default the profile's, see
+        ``lora_opt.emulate.vllm_versions.choose``) and knows of the model."""
+        self.behaviour = behaviour or self.behaviour or choose(None, self.vllm_version)
+        self.vllm_version = self.behaviour.version
+        self.metrics.vllm_version = self.vllm_version
+        self.files = files or self.files
+        self.model_root = model_root or self.model_root
+        self.lora_roots.update(lora_roots or {})
+        self.max_lora_rank = max_lora_rank or self.max_lora_rank or self.engine.eng.get("max_lora_rank")
+        vocab = self.files.vocab_size or getattr(getattr(self.engine.profile, "model", None), "vocab_size", None)
+        self.api = ApiContext(behaviour=self.behaviour, max_model_len=self.max_model_len, vocab_size=vocab,
+                              files=self.files)
+
+    def adapter_of(self, model: str | None) -> int:
+        if not model or model == self.model:
             return BASE_ADAPTER
         if model in self.loaded:
             return self.adapters[model]
-        raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        raise self.not_found(model)
+
+    def not_found(self, model: str) -> APIError:
+        if self.behaviour.aliases_in_not_found:
+            return APIError(404, f"The model `{model}` does not exist. Valid aliases: {self.model}.", "NotFoundError",
+                            "model")
+        return APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
 
 
-def _error(exc: APIError):
+def _error(inst: Instance, exc: APIError | DetailError):
     from starlette.responses import JSONResponse
-    return JSONResponse(exc.body(), status_code=exc.status)
+    if isinstance(exc, DetailError):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+    return JSONResponse(exc.body(nested=inst.behaviour.nested_errors), status_code=exc.status)
 
 
-def _stream_response(inst: Instance, req, fmt: Formatter, finish_reason: str):
+def _stream_response(inst: Instance, subs: list, fmt: Formatter):
+    """The SSE response of a request's choices (``subs``: one engine request each, sharing one event)."""
     # starlette only where an emulator runs
     from starlette.responses import Response
 
@@ -74,45 +127,51 @@ def _stream_response(inst: Instance, req, fmt: Formatter, finish_reason: str):
         async def __call__(self, scope, receive, send):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
-            watcher = asyncio.ensure_future(_watch_disconnect(receive, req))
-            sent = 0
+            watcher = asyncio.ensure_future(_watch_disconnect(receive, subs))
+            event = subs[0].event
+            sent = [0] * len(subs)
             try:
-                first = fmt.first_chunk()
+                first = b"".join(fmt.first_chunk(i) for i in range(len(subs)))
                 if first:
                     await send({"type": "http.response.body", "body": first, "more_body": True})
                 while True:
-                    await req.event.wait()
-                    req.event.clear()
-                    if req.aborted or req.gone:
+                    await event.wait()
+                    event.clear()
+                    if any(r.aborted or r.gone for r in subs):
                         return
-                    n = req.generated
-                    if n > sent:
-                        body = fmt.chunks(sent, n, finish_reason if req.finished else None)
-                        if req.finished:
-                            body += fmt.tail(n)
-                        first = sent == 0
-                        sent = n
-                        await send({"type": "http.response.body", "body": body, "more_body": not req.finished})
-                        if first:           # how late the first token left against its due time (wall s)
-                            eng = inst.engine
-                            inst.first_token_late.append(time.perf_counter() - eng.t0 - req.first_t / eng.speed)
-                    if req.finished:
+                    body = b""
+                    for i, r in enumerate(subs):
+                        n = r.generated
+                        if n > sent[i]:
+                            body += fmt.chunks(i, sent[i], n, r.finish_reason if r.finished else None)
+                            if sent[i] == 0 and i == 0:   # how late the first token left against its due time (wall s)
+                                eng = inst.engine
+                                inst.first_token_late.append(time.perf_counter() - eng.t0 - r.first_t / eng.speed)
+                            sent[i] = n
+                    done = all(r.finished for r in subs)
+                    if done:
+                        body += fmt.tail(sum(r.generated for r in subs))
+                    if body:
+                        await send({"type": "http.response.body", "body": body, "more_body": not done})
+                    if done:
                         return
             except OSError:
                 pass                            # the client went away mid-write
             finally:
                 watcher.cancel()
-                inst.engine.abort(req)          # no-op once finished
+                for r in subs:
+                    inst.engine.abort(r)        # no-op once finished
 
     return SSE()
 
 
-async def _watch_disconnect(receive, req) -> None:
+async def _watch_disconnect(receive, subs: list) -> None:
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            req.gone = True
-            req.event.set()
+            for r in subs:
+                r.gone = True
+            subs[0].event.set()
             return
 
 
@@ -142,40 +201,44 @@ def _sent_wall(request) -> float | None:
 
 async def _generate(inst: Instance, request, chat: bool):
     try:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"[{{'type': 'json_invalid', 'loc': ('body', {getattr(e, 'pos', 0)}), "
-                                f"'msg': 'JSON decode error', 'ctx': {{'error': {str(e)!r}}}}}]") from None
-        p = parse_request(body, chat, inst.max_model_len)
+        p = parse_request(await request.body(), request.headers.get("content-type", ""), chat, inst.api,
+                          check_model=inst.adapter_of)
         adapter = inst.adapter_of(p.model)
-    except APIError as e:
-        return _error(e)
+    except (APIError, DetailError) as e:
+        return _error(inst, e)
     eng = inst.engine
-    if p.ignore_eos or p.min_tokens >= p.max_tokens:
-        out_len = p.max_tokens
-    else:
-        out_len = max(1, p.min_tokens, eng.draw_output_len(p.max_tokens))
-    finish_reason = "length" if out_len == p.max_tokens else "stop"
-    req = eng.submit(p.prompt_tokens, out_len, adapter, _sent_wall(request))
-    req.finish_reason = finish_reason
-    req.stream = p.stream
-    fmt = Formatter(p, p.model or inst.model)
+    sent_wall = _sent_wall(request)
+    subs, echoes = [], []
+    for prompt in p.prompts:                    # one engine request per prompt and choice, as vLLM
+        for _ in range(p.n):
+            if p.ignore_eos or p.min_tokens >= prompt.max_tokens:
+                out_len = prompt.max_tokens
+            else:
+                out_len = max(1, p.min_tokens, eng.draw_output_len(prompt.max_tokens))
+            req = eng.submit(prompt.tokens, out_len, adapter, sent_wall)
+            req.finish_reason = "length" if out_len == prompt.max_tokens else "stop"
+            req.stream = p.stream
+            if subs:
+                req.event = subs[0].event       # one wake-up for the response of all its choices
+            subs.append(req)
+            echoes.append(prompt.text if p.echo else "")
+    fmt = Formatter(p, p.model or inst.model, request_id(request.headers.get("x-request-id"), inst.behaviour),
+                    inst.behaviour)
     if p.stream:
-        return _stream_response(inst, req, fmt, finish_reason)
-    watcher = asyncio.ensure_future(_watch_disconnect(request.receive, req))
+        return _stream_response(inst, subs, fmt)
+    watcher = asyncio.ensure_future(_watch_disconnect(request.receive, subs))
     try:
-        while not req.finished:
-            await req.event.wait()
-            req.event.clear()
-            if req.aborted or req.gone:
-                eng.abort(req)
+        while not all(r.finished for r in subs):
+            await subs[0].event.wait()
+            subs[0].event.clear()
+            if any(r.aborted or r.gone for r in subs):
                 return None
     finally:
         watcher.cancel()
-        eng.abort(req)
+        for r in subs:
+            eng.abort(r)
     from starlette.responses import JSONResponse
-    return JSONResponse(fmt.full(req.generated, finish_reason))
+    return JSONResponse(fmt.full([(r.generated, r.finish_reason, e) for r, e in zip(subs, echoes)]))
 
 
 def build_app(inst: Instance):
@@ -190,18 +253,46 @@ def build_app(inst: Instance):
     async def health():
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():                       # vLLM's SageMaker health route: /health's answer
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def load():
+        return {"server_load": len(inst.engine.requests)}
+
     @app.get("/version")
     async def version():
         return {"version": inst.vllm_version}
 
     @app.get("/v1/models")
     async def models():
-        data = [{"id": inst.model, "object": "model", "created": 0, "owned_by": "vllm", "root": inst.model,
-                 "parent": None, "max_model_len": inst.max_model_len, "permission": []}]
-        data += [{"id": a, "object": "model", "created": 0, "owned_by": "vllm", "root": f"adapters/{a}",
-                  "parent": inst.model, "max_model_len": None, "permission": []}
-                 for a in inst.adapters if a in inst.loaded]
+        created = int(time.time())
+
+        def card(mid, root, parent, max_model_len):
+            return {"id": mid, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                    "parent": parent, "max_model_len": max_model_len,
+                    "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
+                                    "created": created, "allow_create_engine": False, "allow_sampling": True,
+                                    "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                    "allow_fine_tuning": False, "organization": "*", "group": None,
+                                    "is_blocking": False}]}
+        data = [card(inst.model, inst.model_root or inst.model, None, inst.max_model_len)]
+        data += [card(a, inst.lora_roots.get(a, f"adapters/{a}"), inst.model, None) for a in inst.loaded]
         return {"object": "list", "data": data}
+
+    def tokenizer_route(parse):
+        """``/tokenize`` and ``/detokenize``: parse the body with ``parse``, vLLM's error on failure."""
+        async def route(request: Request):
+            try:
+                return parse(await request.body(), request.headers.get("content-type", ""), inst.api,
+                             check_model=inst.adapter_of)
+            except (APIError, DetailError) as e:
+                return _error(inst, e)
+        return route
+
+    app.post("/tokenize")(tokenizer_route(parse_tokenize))
+    app.post("/detokenize")(tokenizer_route(parse_detokenize))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -229,52 +320,68 @@ def build_app(inst: Instance):
             inst.first_token_late.clear()
         return out
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request):
-        return _lora_update(inst, await request.body(), load=True)
+    if inst.runtime_lora_updating:          # vLLM registers these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora(request: Request):
+            return _lora_update(inst, await request.body(), request.headers.get("content-type", ""), load=True)
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora(request: Request):
-        return _lora_update(inst, await request.body(), load=False)
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora(request: Request):
+            return _lora_update(inst, await request.body(), request.headers.get("content-type", ""), load=False)
 
     app.state.instance = inst
     return app
 
 
-def _lora_update(inst: Instance, raw: bytes, load: bool):
-    """vLLM's runtime adapter (un)loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).  The kernel's
-    adapter table is fixed, so a new adapter takes one of the instance's spare slots (made at
-    start-up, rank ``--max-lora-rank``: its load costs are that rank's); an unloaded adapter can be
-    loaded back into its own slot; a slot is never reused for another adapter (its cache state)."""
-    from starlette.responses import PlainTextResponse
+def _adapter_rank(path: str) -> int | None:
+    """The rank in ``PATH/adapter_config.json`` (None: no adapter there, as vLLM's loader finds none)."""
     try:
-        if not inst.runtime_lora_updating:
-            raise APIError(404, "Not Found", "NotFoundError")
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise APIError(400, "JSON decode error") from None
-        name = body.get("lora_name") if isinstance(body, dict) else None
-        if not isinstance(name, str) or not name:
-            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided." if load else
-                           "'lora_name' needs to be provided to unload a LoRA adapter.")
-        if load:
-            if name in inst.loaded:
-                raise APIError(400, f"The lora adapter '{name}' has already been loaded.")
-            if name not in inst.adapters:
-                if not inst.free_slots:
-                    raise APIError(400, f"The emulator cannot add adapter '{name}': all its runtime LoRA slots "
-                                        "are taken (lora_opt.emulate.fleet.RUNTIME_LORA_SLOTS).")
-                if not isinstance(body.get("lora_path"), str) or not body["lora_path"]:
-                    raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
-                index = inst.free_slots.pop(0)
-                inst.adapters[name] = index
-                inst.metrics.adapter_ids[index - 1] = name
-            inst.loaded.add(name)
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-        if name not in inst.loaded:
-            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        inst.loaded.discard(name)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-    except APIError as e:
-        return _error(e)
+        return int(json.loads((Path(path) / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _lora_update(inst: Instance, raw: bytes, content_type: str, load: bool):
+    """vLLM's runtime adapter (un)loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), its checks and
+    messages.  The kernel's adapter table is fixed, so a new adapter takes one of the instance's spare
+    slots (made at start-up, rank ``--max-lora-rank``: its load costs are that rank's); an unloaded
+    adapter can be loaded back into its own slot; a slot is never reused for another adapter (its
+    cache state).  One difference, on purpose: an adapter whose rank is above ``--max-lora-rank`` is
+    refused with 400 -- vLLM 0.32 answers it 500 ("Call to add_lora method failed"), a server error
+    for a client's mistake (docs/emulate.md)."""
+    from starlette.responses import PlainTextResponse
+    b = inst.behaviour
+    try:
+        req = validate_fields(LoadLoRA if load else UnloadLoRA, read_json_body(raw, content_type, b), b)
+        name = req.lora_name
+        if not load:
+            if name not in inst.loaded:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            del inst.loaded[name]
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        if not name or not req.lora_path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name == inst.model:
+            raise APIError(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
+        if name in inst.loaded and not req.load_inplace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                                "in place, set 'load_inplace' to True.", "InvalidUserInput")
+        rank = _adapter_rank(req.lora_path)
+        if rank is None:
+            raise APIError(404, sanitize_message(f"Loading lora {name} failed: No adapter found for {req.lora_path}"),
+                           "NotFoundError")
+        if inst.max_lora_rank is not None and rank > inst.max_lora_rank:
+            raise APIError(400, f"LoRA rank {rank} is greater than max_lora_rank {inst.max_lora_rank}.",
+                           "BadRequestError", "lora_path")
+        if name not in inst.adapters:
+            if not inst.free_slots:
+                raise APIError(400, f"The emulator cannot add adapter '{name}': all its runtime LoRA slots "
+                                    "are taken (lora_opt.emulate.fleet.RUNTIME_LORA_SLOTS).")
+            index = inst.free_slots.pop(0)
+            inst.adapters[name] = index
+            inst.metrics.adapter_ids[index - 1] = name
+        inst.loaded.setdefault(name, None)      # vLLM lists adapters in the order they were loaded (in place: kept)
+        inst.lora_roots[name] = req.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+    except (APIError, DetailError) as e:
+        return _error(inst, e)

@@ -7,7 +7,6 @@ from a generator seeded by the evaluation seed -- so a replay is deterministic, 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,17 +16,15 @@ from tqdm import tqdm
 
 import twin
 from lora_opt.parallel import run_batches
+from lora_opt.placement.instances import FleetOptions, gpu_result, gpu_scenario, replay_on_fleet, routing_seed
 from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
 from twin.parsing import check_finite
 from twin.scenario import DEFAULT_RHO, scenario_from_dict
+from twin.routers import weighted_pick
 from twin.simulate import weighted_stats
 from twin.workload import Requests, generate_requests
-
-#: the routing generator's stream, spawned from the evaluation seed apart from the workload's
-ROUTING_STREAM = 7
-
 
 def workload_requests(wl: Workload, max_model_len: int) -> Requests:
     """Every request of the workload's evaluation traffic (all adapters, one stream)."""
@@ -50,28 +47,21 @@ def route_requests(p: Placement, req: Requests, seed: int) -> np.ndarray:
         else:
             multi[k] = (np.array([g for g, _ in rs]), np.cumsum([w for _, w in rs]))
     gpu = single[req.adapter]
-    rng = np.random.default_rng(np.random.SeedSequence([seed, ROUTING_STREAM]))
+    rng = np.random.default_rng(routing_seed(seed))
     u = rng.random(len(req))        # one draw per request, used or not: routing of one adapter
     for k, (gs, cw) in multi.items():   # never depends on which other adapters are replicated
         sel = np.flatnonzero(req.adapter == k)
-        gpu[sel] = gs[np.minimum(np.searchsorted(cw / cw[-1], u[sel], side="right"), len(gs) - 1)]
+        gpu[sel] = gs[weighted_pick(cw, u[sel])]
     return gpu
 
 
 def _gpu_jobs(p: Placement, wl: Workload, req: Requests, duration_s: float, seed: int,
-              timeseries_s: float | None = None) -> list[dict]:
-    gpu_of = route_requests(p, req, seed)
+              timeseries_s: float | None = None, gpu_of: np.ndarray | None = None) -> list[dict]:
+    gpu_of = route_requests(p, req, seed) if gpu_of is None else gpu_of
     jobs = []
-    for g, (cfg, on) in enumerate(zip(p.gpus, p.by_gpu())):
-        on.sort()
-        local = np.full(len(p.adapters), -1, np.int64)
-        for j, (k, _) in enumerate(on):
-            local[k] = j
+    for g, on in enumerate(p.by_gpu()):
+        sc, local = gpu_scenario(p, wl, g, on, duration_s, timeseries_s)
         sel = np.flatnonzero(gpu_of == g)
-        adapters = [dataclasses.replace(p.adapters[k], rate=p.adapters[k].rate * w) for k, w in on]
-        sc = evaluation_scenario(wl, adapters, engine=cfg, duration_s=duration_s)
-        if timeseries_s:
-            sc["timeseries_interval_s"] = timeseries_s
         jobs.append({"gpu": g, "scenario": sc,
                      "arrival": req.arrival[sel], "adapter": local[req.adapter[sel]].astype(np.int32),
                      "in_len": req.in_len[sel], "out_len": req.out_len[sel]})
@@ -89,10 +79,7 @@ def simulate_gpu_jobs(jobs: list[dict]) -> list[dict]:
                        in_len=np.ascontiguousarray(job["in_len"], np.int32),
                        out_len=np.ascontiguousarray(job["out_len"], np.int32))
         res = twin.simulate(sc, requests=req, timeseries=bool(job.get("timeseries")))
-        d = res.to_dict()
-        d.update(gpu=job["gpu"], arrived=res.arrived, wall_s=res.wall_s, oom_reason=res.oom_reason,
-                 samples=res.samples or {}, timeseries=res.timeseries)
-        out.append(d)
+        out.append(gpu_result(job["gpu"], res))
     return out
 
 
@@ -209,8 +196,11 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
                        duration_s: float | None = None, workers: int | None = None,
                        ray_address: str | None = None, progress: bool = True,
                        grace_s: float = GRACE_S, criterion: Criterion | None = None,
-                       timeseries_s: float | None = None, raw: list | None = None) -> dict[str, Any]:
-    """Replay ``requests`` (default: the workload's evaluation traffic) on every GPU of ``p``.
+                       timeseries_s: float | None = None, raw: list | None = None,
+                       gpu_of: np.ndarray | None = None) -> dict[str, Any]:
+    """Replay ``requests`` (default: the workload's evaluation traffic) on every GPU of ``p``
+    (``gpu_of``: each request's GPU, as ``route_requests`` drew it for a larger set of which these
+    are a subset -- validate leaves out what the live servers refused; default: drawn here).
 
     Starvation verdict per GPU: fewer than rho of the tokens of requests that arrived before
     ``T - grace_s`` completed by T.  benchmark_serving's definition (completed tokens / all
@@ -220,7 +210,28 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
     both verdicts are in the result (``starving`` and ``starving_window``).  ``criterion``
     replaces the rho verdict (default: the workload's rho), e.g. by SLO attainment.
     ``timeseries_s``: also record each GPU's running / waiting / KV usage every that many
-    seconds; ``raw``: a list that receives each GPU's raw result (samples, time series)."""
+    seconds; ``raw``: a list that receives each GPU's raw result (samples, time series).
+    :func:`evaluate_on_fleet` replays the GPUs as one fleet with a router policy instead."""
+    criterion, T, req = _replay_inputs(p, wl, requests, duration_s, grace_s, criterion)
+    jobs, unrouted, unrouted_tokens = _gpu_jobs(p, wl, req, T, wl.evaluation.seed, timeseries_s, gpu_of)
+    for j in jobs:
+        j["timeseries"] = timeseries_s is not None
+    results: list[dict | None] = [None] * len(jobs)
+    with tqdm(total=len(jobs), desc="replaying GPUs", unit="gpu", disable=not progress) as bar:
+        def done(i: int, rows: list) -> None:
+            results[i] = rows[0]
+            bar.update(1)
+        run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address,
+                    what=f"{len(jobs)} GPU replays", report=lambda msg: bar.set_description_str(f"replaying GPUs ({msg})"))
+    res: list[dict] = results  # type: ignore[assignment]
+    if raw is not None:
+        raw.extend(res)
+    return evaluation_from_results(p, wl, res, req, T, grace_s, criterion, unrouted, unrouted_tokens)
+
+
+def _replay_inputs(p: Placement, wl: Workload, requests: Requests | None, duration_s: float | None, grace_s: float,
+                   criterion: Criterion | None) -> tuple[Criterion, float, Requests]:
+    """(criterion, replayed window, requests) of a replay, the placement and the grace checked."""
     criterion = criterion or Criterion(rho=wl.rho)
     if not p.gpus:
         raise ScenarioError("placement: no GPUs to evaluate")
@@ -238,20 +249,24 @@ def evaluate_placement(p: Placement, wl: Workload, *, requests: Requests | None 
                             "placement with the workload it was made for")
     mml = min(g.max_model_len for g in p.gpus)
     req = requests if requests is not None else workload_requests(wl, mml)
-    jobs, unrouted, unrouted_tokens = _gpu_jobs(p, wl, req, T, wl.evaluation.seed, timeseries_s)
-    for j in jobs:
-        j["timeseries"] = timeseries_s is not None
-    results: list[dict | None] = [None] * len(jobs)
-    with tqdm(total=len(jobs), desc="replaying GPUs", unit="gpu", disable=not progress) as bar:
-        def done(i: int, rows: list) -> None:
-            results[i] = rows[0]
-            bar.update(1)
-        run_batches(simulate_gpu_jobs, [[j] for j in jobs], done, workers=workers, ray_address=ray_address,
-                    what=f"{len(jobs)} GPU replays", report=lambda msg: bar.set_description_str(f"replaying GPUs ({msg})"))
-    res: list[dict] = results  # type: ignore[assignment]
+    return criterion, T, req
+
+
+def evaluate_on_fleet(p: Placement, wl: Workload, fleet: FleetOptions, *, requests: Requests | None = None,
+                      duration_s: float | None = None, grace_s: float = GRACE_S, criterion: Criterion | None = None,
+                      timeseries_s: float | None = None, raw: list | None = None) -> dict[str, Any]:
+    """:func:`evaluate_placement` with the GPUs as one fleet (``twin.fleet``, one process): ``fleet.router``
+    chooses each request's GPU, adapters ``static`` or ``on-demand``.  The result also names the
+    router, the adapters, the scrape interval and the adapter loads of the whole fleet."""
+    criterion, T, req = _replay_inputs(p, wl, requests, duration_s, grace_s, criterion)
+    res, unrouted, unrouted_tokens = replay_on_fleet(p, wl, req, T, fleet, timeseries_s)
     if raw is not None:
         raw.extend(res)
-    return evaluation_from_results(p, wl, res, req, T, grace_s, criterion, unrouted, unrouted_tokens)
+    ev = evaluation_from_results(p, wl, res, req, T, grace_s, criterion, unrouted, unrouted_tokens)
+    ev.update(router=fleet.router, adapters=fleet.adapters, scrape_interval_s=fleet.scrape_interval_s,
+              adapter_loads_cpu=sum(r["adapter_loads_cpu"] for r in res),
+              adapter_loads_disk=sum(r["adapter_loads_disk"] for r in res))
+    return ev
 
 
 def evaluation_from_results(p: Placement, wl: Workload, res: list[dict], req: Requests, T: float, grace_s: float,

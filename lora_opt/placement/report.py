@@ -14,12 +14,11 @@ import shlex
 from collections import Counter
 from pathlib import Path
 
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_NOT_DEPLOYABLE, EXIT_OK
 from lora_opt.io import atomic_write_text
 from lora_opt.placement.plan import Placement, PlacementError, check_placement
 from lora_opt.placement.policies.greedy import MARGIN_GRID, SURROGATE_RHO
-from lora_opt.placement.vllm_launch import check_serve_args, router_table, serve_command
-
-EXIT_OK, EXIT_INFEASIBLE, EXIT_NOT_DEPLOYABLE = 0, 3, 4
+from lora_opt.placement.vllm_launch import check_serve_args, resolve_vllm_version, router_table, serve_command
 
 # The starvation margin is rho x L - 1 for the largest load factor L on MARGIN_GRID (0.5x .. 3x) the
 # surrogate calls not starving: at the grid's ends it is a bound, not a value.
@@ -119,17 +118,18 @@ def table_notes(p: Placement) -> list[str]:
 
 
 def verdict(p: Placement) -> tuple[int, str]:
-    """(exit status, one-line message) of a placement: deployable, infeasible or not deployable."""
+    """(exit status, one-line message) of a placement: deployable (``EXIT_OK``), infeasible
+    (``EXIT_NOT_ACCEPTABLE``) or not deployable (``EXIT_NOT_DEPLOYABLE``)."""
     m = p.meta
     if m.get("unplaceable"):
         ids = m["unplaceable"]
         hint = ("; its surrogate calls even a GPU of their own starving -- greedy-plus checks such GPUs "
                 "on the twin" if p.policy in ("greedy", "greedy-fast") else "")
-        return EXIT_INFEASIBLE, (f"infeasible: {len(ids)} adapter(s) cannot be served by the policy "
-                                 f"({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}){hint}")
+        return EXIT_NOT_ACCEPTABLE, (f"infeasible: {len(ids)} adapter(s) cannot be served by the policy "
+                                     f"({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}){hint}")
     if not m.get("feasible"):
-        return EXIT_INFEASIBLE, (f"infeasible: the workload needs {m['gpus_needed']} GPUs with policy {p.policy}; "
-                                 f"the pool has {m['gpus_pool']}. Rerun with --gpus {m['gpus_needed']}.")
+        return EXIT_NOT_ACCEPTABLE, (f"infeasible: the workload needs {m['gpus_needed']} GPUs with policy {p.policy}; "
+                                     f"the pool has {m['gpus_pool']}. Rerun with --gpus {m['gpus_needed']}.")
     if m.get("gpus_failing_startup"):
         return EXIT_NOT_DEPLOYABLE, (f"not deployable: vLLM would not start on GPU(s) {m['gpus_failing_startup']} "
                                      "(the policy's A_max does not fit in memory)")
@@ -138,7 +138,8 @@ def verdict(p: Placement) -> tuple[int, str]:
 
 
 #: the files ``lora-opt place`` owns in its --out directory (a rerun removes them first)
-OWNED_FILES = ("placement.json", "router.json", "vllm/serve_commands.txt")
+OWNED_FILES = ("placement.json", "router.json", "vllm/serve_commands.txt",
+               "router/inference-pools.yaml", "router/vllm-router.sh")   # the last two: --emit-router
 _GPU_SCRIPT = re.compile(r"gpu\d+\.sh")
 
 
@@ -158,28 +159,32 @@ def clean_outputs(out_dir: Path) -> list[Path]:
 
 
 def write_outputs(p: Placement, profile, out_dir: Path, *, emit_vllm: bool, model: str | None,
-                  host: str = "127.0.0.1", base_port: int = 8000) -> list[Path]:
+                  host: str = "127.0.0.1", base_port: int = 8000, vllm_version: str | None = None) -> list[Path]:
     """placement.json (always), and with ``emit_vllm`` a deployable placement's launch files:
     ``vllm/gpuN.sh`` per GPU, ``vllm/serve_commands.txt`` (one command per GPU, one per line) and
     ``router.json``.  Everything is checked before anything is written (a placement the checker
     refuses, or a command vLLM's parser would refuse, writes nothing); the files a previous run
     wrote into ``out_dir`` are removed first (:func:`clean_outputs`: no stale ``gpuN.sh`` beyond
-    the new GPU count); each file is written atomically."""
+    the new GPU count); each file is written atomically.  The commands are in the flags of
+    ``vllm_version`` (default: the profile's release when lora-opt has its option table, else the
+    newest it has: :func:`~lora_opt.placement.vllm_launch.resolve_vllm_version`)."""
     files: dict[str, tuple[str, int | None]] = {}
     if emit_vllm:
         check_placement(p, profile)
         model = model or profile.model.name
+        release = resolve_vllm_version(vllm_version, getattr(profile, "vllm_version", None), PlacementError)
         lines = []
         on_gpu = p.by_gpu()
         for i in range(len(p.gpus)):
             argv = serve_command(p, i, model, host=host, port=base_port + i,
-                                 adapters=[p.adapters[k] for k, _ in on_gpu[i]])
-            check_serve_args(argv)
+                                 adapters=[p.adapters[k] for k, _ in on_gpu[i]], vllm_version=release,
+                                 block_size=profile.memory.block_size)
+            check_serve_args(argv, release)
             line = f"CUDA_VISIBLE_DEVICES={i} " + shlex.join(argv)
             if "\n" in line or "\r" in line:
                 raise PlacementError(f"GPU {i}: its vllm serve command would span several lines")
             lines.append(line)
-            files[f"vllm/gpu{i}.sh"] = ("#!/bin/sh\n# generated by lora-opt place; vLLM 0.33 flags\nexec env "
+            files[f"vllm/gpu{i}.sh"] = (f"#!/bin/sh\n# generated by lora-opt place; vLLM {release} flags\nexec env "
                                         + line + "\n", 0o755)
         files["vllm/serve_commands.txt"] = ("\n".join(lines) + "\n", None)
         files["router.json"] = (json.dumps(router_table(p, host=host, base_port=base_port), indent=1), None)

@@ -1,10 +1,18 @@
-"""``vllm serve`` commands and a router table for a placement (vLLM 0.33's real flags).
+"""``vllm serve`` commands and a router table for a placement, in the flags of a chosen vLLM release.
 
 Every command pins what would otherwise drift with hardware or version defaults: LoRA flags,
 ``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``,
-``--block-size 16``, FCFS scheduling, prefix caching and async scheduling off (as the twin models).  ``validate_serve_args`` checks a command against the
-option table of vLLM 0.33.0's own parser (``data/reference/vllm_serve_args-0.33.0.json``) without
-installing vLLM; where the ``[vllm]`` extra is installed, the tests also run vLLM's parser itself.
+``--block-size`` of the profile (16 on GPUs), FCFS scheduling, prefix caching and async scheduling off (as the twin models).
+
+Flags differ between releases (vLLM 0.32 spells prefix caching off ``--no-enable-prefix-caching``;
+0.33's parser lists ``--disable-prefix-caching``), so every command is written for one release and
+checked against the option table recorded from that release's own parser
+(``data/reference/vllm_serve_args-<version>.json``: 0.32 dumped from the CPU build by
+``tools/vllm_tier/dump_serve_args.py``, 0.33 from the GPU wheel) without installing vLLM.  Where one
+spelling is valid in every recorded release it is the one written.  The release is ``--vllm-version``
+when given, else the profile's ``vllm_version`` when lora-opt has its table, else
+:data:`DEFAULT_VLLM_VERSION` (:func:`resolve_vllm_version`).  The real-vLLM test tier starts the
+emitted command of a placement with vLLM 0.32 (tests/real_vllm/test_launch_real.py).
 """
 from __future__ import annotations
 
@@ -14,19 +22,78 @@ import re
 
 from lora_opt.placement.plan import Placement
 from twin.errors import ScenarioError
+from twin.flags import release_key
 from twin.parsing import check_adapter_id, check_adapter_path
-from twin.paths import VLLM_SERVE_ARGS as SERVE_ARGS
+from twin.paths import VLLM_SERVE_ARGS_DIR
+
+#: vLLM releases (major.minor) lora-opt writes launch commands for -> the option table of that
+#: release's ``vllm serve`` parser
+SERVE_ARG_TABLES = {"0.32": "vllm_serve_args-0.32.0.json", "0.33": "vllm_serve_args-0.33.0.json"}
+#: the release commands are written for when neither ``--vllm-version`` nor the profile names one of
+#: :data:`SERVE_ARG_TABLES` (the H100 profiles were measured on vLLM 0.8.5, whose flags lora-opt does
+#: not write: their commands target the newest release it has a table for)
+DEFAULT_VLLM_VERSION = "0.33"
+#: switches every command pins, each with its spellings across releases (the twin models neither
+#: prefix caching nor async scheduling): :func:`switch_spelling` picks one
+PINNED_SWITCHES = (("--no-enable-prefix-caching", "--disable-prefix-caching"), ("--no-async-scheduling",))
 
 
-@functools.lru_cache(maxsize=1)
-def serve_options() -> dict:
-    return json.loads(SERVE_ARGS.read_text())["options"]
+def release_of(version: str) -> str:
+    """``"0.32.0+cpu"`` / ``"0.32.1"`` / ``"0.32"`` -> ``"0.32"`` (the major.minor a table is kept for)."""
+    key = release_key(str(version))
+    return f"{key[0]}.{key[1]}" if key else str(version)
+
+
+def resolve_vllm_version(requested: str | None, profile_version: str | None = None,
+                         error: type[Exception] = ScenarioError, where: str = "--vllm-version") -> str:
+    """The release launch commands are written for: ``requested`` (refused unless lora-opt has its
+    option table), else the profile's ``vllm_version`` when it has one, else :data:`DEFAULT_VLLM_VERSION`."""
+    if requested is not None:
+        release = release_of(requested)
+        if release not in SERVE_ARG_TABLES:
+            raise error(f"{where}: {requested!r}: lora-opt has vllm serve option tables for "
+                        f"{', '.join(SERVE_ARG_TABLES)} (major.minor, e.g. 0.32 or 0.32.0)")
+        return release
+    if profile_version is not None and release_of(profile_version) in SERVE_ARG_TABLES:
+        return release_of(profile_version)
+    return DEFAULT_VLLM_VERSION
+
+
+@functools.lru_cache(maxsize=None)
+def serve_arg_table(version: str = DEFAULT_VLLM_VERSION) -> dict:
+    """The recorded option table of ``version`` (``{"options": {...}, "vllm": "0.32.0"}``)."""
+    release = release_of(version)
+    if release not in SERVE_ARG_TABLES:
+        raise ScenarioError(f"vLLM {version}: no vllm serve option table (have {', '.join(SERVE_ARG_TABLES)})")
+    return json.loads((VLLM_SERVE_ARGS_DIR / SERVE_ARG_TABLES[release]).read_text())
+
+
+def serve_options(version: str = DEFAULT_VLLM_VERSION) -> dict:
+    return serve_arg_table(version)["options"]
+
+
+def switch_spelling(spellings: tuple[str, ...], version: str = DEFAULT_VLLM_VERSION) -> str:
+    """The spelling of a pinned switch for ``version``: the first of ``spellings`` that every recorded
+    release's parser accepts, else the first that ``version``'s accepts."""
+    for s in spellings:
+        if all(s in serve_options(v) for v in SERVE_ARG_TABLES):
+            return s
+    for s in spellings:
+        if s in serve_options(version):
+            return s
+    raise ScenarioError(f"vLLM {version}: none of {spellings} is a vllm serve option")
+
+
+def adapter_path(a) -> str:
+    """Where an instance loads adapter ``a`` from: its ``path``, default ``adapters/<id>``."""
+    return a.path or f"adapters/{a.id}"
 
 
 def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1", port: int = 8000,
-                  adapters=None) -> list[str]:
-    """argv of ``vllm serve`` for GPU ``gpu`` of the placement (``adapters``: its adapters, when
-    the caller already has them)."""
+                  adapters=None, vllm_version: str = DEFAULT_VLLM_VERSION, block_size: int = 16) -> list[str]:
+    """argv of ``vllm serve`` for GPU ``gpu`` of the placement, in ``vllm_version``'s flags
+    (``adapters``: its adapters, when the caller already has them; ``block_size``: the KV block the
+    twin's profile assumes -- 16 on a GPU; vLLM's CPU build refuses 16, its profiles say 128)."""
     g = p.gpus[gpu]
     adapters = p.adapters_on(gpu) if adapters is None else adapters
     if not model or model.startswith("-") or any(not c.isprintable() for c in model):
@@ -36,15 +103,14 @@ def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1"
         check_adapter_id(a.id, f"adapter {a.id!r:.40}")
         if a.path is not None:
             check_adapter_path(a.path, f"adapter {a.id}.path")
-    modules = [f"{a.id}={a.path or f'adapters/{a.id}'}" for a in adapters]
+    modules = [f"{a.id}={adapter_path(a)}" for a in adapters]
     argv = ["vllm", "serve", model, "--host", host, "--port", str(port),
             "--enable-lora", "--max-loras", str(g.max_loras), "--max-lora-rank", str(g.max_lora_rank),
             "--max-cpu-loras", str(g.max_cpu_loras), "--max-model-len", str(g.max_model_len),
             "--max-num-seqs", str(g.max_num_seqs), "--max-num-batched-tokens", str(g.max_num_batched_tokens),
-            "--gpu-memory-utilization", str(g.gpu_memory_utilization), "--block-size", "16",
+            "--gpu-memory-utilization", str(g.gpu_memory_utilization), "--block-size", str(block_size),
             "--scheduling-policy", "fcfs",
-            # the twin models neither prefix caching nor async scheduling: pin both off
-            "--disable-prefix-caching", "--no-async-scheduling"]
+            *(switch_spelling(s, vllm_version) for s in PINNED_SWITCHES)]
     if modules:
         argv += ["--lora-modules", *modules]
     return argv
@@ -66,7 +132,7 @@ def _is_option(arg: str) -> bool:
 
 
 def lora_module_problems(value: str) -> list[str]:
-    """Why vLLM 0.33 would not read ``value`` of ``--lora-modules`` as the ``name=path`` lora-opt
+    """Why vLLM 0.32/0.33 would not read ``value`` of ``--lora-modules`` as the ``name=path`` lora-opt
     meant: its ``LoRAParserAction`` takes a value holding '=' and no ',' as ``name=path``, split on
     '=' (a second '=' is an error), and anything else as JSON."""
     if "=" not in value or "," in value:
@@ -81,11 +147,11 @@ def lora_module_problems(value: str) -> list[str]:
     return problems
 
 
-def validate_serve_args(argv: list[str]) -> list[str]:
-    """Problems with a ``vllm serve`` argv against vLLM 0.33.0's option table (empty = valid): every
-    option is in the table, flags take no value, values have the option's type and choices, and
-    each ``--lora-modules`` value reads as the intended ``name=path``."""
-    opts = serve_options()
+def validate_serve_args(argv: list[str], vllm_version: str = DEFAULT_VLLM_VERSION) -> list[str]:
+    """Problems with a ``vllm serve`` argv against ``vllm_version``'s option table (empty = valid):
+    every option is in the table, flags take no value, values have the option's type and choices,
+    and each ``--lora-modules`` value reads as the intended ``name=path``."""
+    opts = serve_options(vllm_version)
     if argv[:2] != ["vllm", "serve"] or len(argv) < 3 or _is_option(argv[2]):
         return ["expected: vllm serve MODEL [options]"]
     problems, i = [], 3
@@ -130,7 +196,7 @@ def validate_serve_args(argv: list[str]) -> list[str]:
     return problems
 
 
-def check_serve_args(argv: list[str]) -> None:
-    problems = validate_serve_args(argv)
+def check_serve_args(argv: list[str], vllm_version: str = DEFAULT_VLLM_VERSION) -> None:
+    problems = validate_serve_args(argv, vllm_version)
     if problems:
-        raise ScenarioError("invalid vllm serve command: " + "; ".join(problems))
+        raise ScenarioError(f"invalid vllm serve command for vLLM {release_of(vllm_version)}: " + "; ".join(problems))

@@ -237,13 +237,22 @@ def load_workload(path: str | Path) -> Workload:
 IDLE_RATE = 1e-12
 
 
+def scenario_adapters(adapters, rate_scale: float = 1.0) -> list[dict]:
+    """Adapters (anything with ``id``, ``rank``, ``rate``: a workload's or a placement's) as a
+    scenario's adapter groups, one a group so each keeps its id; rates times ``rate_scale``, at
+    least ``IDLE_RATE``.  The one conversion (evaluation and greedy-plus verification build their
+    scenarios from it; ``tests/test_one_owner.py`` finds a second copy)."""
+    return [{"count": 1, "rank": a.rank, "rate": max(a.rate * rate_scale, IDLE_RATE), "id": a.id}
+            for a in adapters]
+
+
 def evaluation_scenario(wl: Workload, adapters, engine=None, duration_s: float | None = None) -> dict:
     """Scenario dict serving ``adapters`` with the workload's evaluation traffic (one adapter a
     group, so each keeps its id).  ``engine``: a mapping of engine flags or a ``GPUConfig``;
     ``duration_s``: default the evaluation's."""
     ev = wl.evaluation
     return scenario_dict(
-        wl.profile, [{"count": 1, "rank": a.rank, "rate": max(a.rate, IDLE_RATE), "id": a.id} for a in adapters],
+        wl.profile, scenario_adapters(adapters),
         engine=engine or {}, arrivals=ev.arrivals, lengths=ev.lengths,
         duration_s=ev.duration_s if duration_s is None else duration_s, rho=wl.rho, seed=ev.seed)
 

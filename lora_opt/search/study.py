@@ -41,12 +41,14 @@ import numpy as np
 from tqdm import tqdm
 
 from lora_opt.parallel import TaskPool
-from lora_opt.placement.evaluate import GRACE_S, Criterion, evaluate_placement, served_ok
+from lora_opt.placement.evaluate import GRACE_S, Criterion, evaluate_on_fleet, evaluate_placement, served_ok
+from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.policies.base import gpu_config
 from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
 from lora_opt.placement.workload_file import Workload, load_request_log, split_request_log
+from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, check_deployment, every_gpu_placement, study_suffix
 from twin.errors import ScenarioError
 from twin.profile import load_profile
 from twin.workload import Requests
@@ -102,11 +104,15 @@ def _check_judged_window(window_s: float, what: str, grace_s: float = GRACE_S) -
 
 
 def replay(p: Placement, wl: Workload, traffic: Traffic, *, criterion: Criterion, grace_s: float = GRACE_S,
-           workers: int | None = 1, ray_address: str | None = None) -> dict:
+           workers: int | None = 1, ray_address: str | None = None, fleet: FleetOptions | None = None) -> dict:
     """``evaluate_placement`` on ``traffic`` -- its requests, or the workload's evaluation traffic
-    drawn with the traffic's seed."""
+    drawn with the traffic's seed; with a ``fleet`` other than static routing of static adapters,
+    ``evaluate_on_fleet`` (the GPUs as one fleet twin, in this process)."""
     if traffic.requests is None:
         wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
+    if fleet is not None and (fleet.router, fleet.adapters) != ("static", "static"):
+        return evaluate_on_fleet(p, wl, fleet, requests=traffic.requests, duration_s=traffic.duration_s,
+                                 grace_s=grace_s, criterion=criterion)
     return evaluate_placement(p, wl, requests=traffic.requests, duration_s=traffic.duration_s, workers=workers,
                               ray_address=ray_address, progress=False, grace_s=grace_s, criterion=criterion)
 
@@ -125,10 +131,17 @@ class SearchSetup:
     batch: int = DEFAULT_BATCH
     """trials the ask/tell study asks at once (``run_search``): the results depend on it, not on
     the number of workers"""
+    fleet: FleetOptions = FleetOptions()
+    """How trials are replayed: static routing of static adapters (default: today's per-GPU
+    replay), or a router policy and/or on-demand adapters on the fleet twin."""
+    deployment: str = DEFAULT_DEPLOYMENT
+    """``lora_opt.search.deployments.DEPLOYMENTS``: what a trial's parameters stand for."""
 
     @classmethod
     def build(cls, wl: Workload, pool: int, ctx: PlacementContext, criterion: Criterion | None = None,
-              objective: str = DEFAULT_OBJECTIVE, batch: int = DEFAULT_BATCH) -> SearchSetup:
+              objective: str = DEFAULT_OBJECTIVE, batch: int = DEFAULT_BATCH, fleet: FleetOptions | None = None,
+              deployment: str = DEFAULT_DEPLOYMENT) -> SearchSetup:
+        check_deployment(deployment)
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
         if not isinstance(pool, int) or pool < 1:
@@ -142,12 +155,20 @@ class SearchSetup:
         if not isinstance(batch, int) or batch < 1:
             raise ScenarioError(f"batch: must be an integer >= 1, got {batch!r}")
         return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective,
-                   batch=batch)
+                   batch=batch, fleet=fleet or FleetOptions(), deployment=deployment)
+
+    @property
+    def label(self) -> str:
+        """deployment / router / adapters, as a front row names them"""
+        return f"{self.deployment} / {self.fleet.router} / {self.fleet.adapters}"
 
 
 def suggest(trial, setup: SearchSetup) -> dict:
-    """The trial's parameters (``gpus``, ``share_g``, ``amax_g`` for g < gpus)."""
+    """The trial's parameters (``gpus``, ``share_g``, ``amax_g`` for g < gpus; the ``every-gpu``
+    deployment: ``gpus`` and one ``amax_0``)."""
     n = len(setup.order)
+    if setup.deployment == "every-gpu":
+        return {"gpus": trial.suggest_int("gpus", 1, setup.pool), "amax_0": trial.suggest_int("amax_0", 1, AMAX_MAX)}
     k = trial.suggest_int("gpus", 1, min(setup.pool, n))
     params = {"gpus": k}
     for g in range(k):
@@ -173,6 +194,11 @@ def decode(params: dict, setup: SearchSetup, label: str = "search") -> Placement
     """The placement a parameter set stands for."""
     wl, order = setup.workload, setup.order
     k = int(params["gpus"])
+    if setup.deployment == "every-gpu":
+        cap = max(setup.mem_caps[int(max(a.rank for a in wl.adapters))], 1)
+        p = every_gpu_placement(wl, load_profile(wl.profile), k, int(min(max(1, params["amax_0"]), cap)), label)
+        p.meta["params"] = params
+        return p
     sizes = part_sizes([params[f"share_{g}"] for g in range(k)], len(order))
     gpus, routes, s = [], {}, 0
     prof = load_profile(wl.profile)
@@ -218,14 +244,15 @@ def run_trial(params: dict, setup: SearchSetup, traffic: Traffic) -> dict:
     """Ray task / serial unit: decode, replay, objectives and constraints."""
     t0 = time.perf_counter()
     p = decode(params, setup)
-    ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s)
+    ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s, fleet=setup.fleet)
     return {"values": [float(len(p.gpus)), objective_value(ev, setup.objective)],
             "constraints": [float(ev["gpus_starving"]), float(ev["gpus_failing_startup"]),
                             float(min(ev["unrouted_requests"], 1))],
             "metrics": {"ttft_p99_ms": ev["ttft_ms"]["p99"], "ttft_mean_ms": ev["ttft_ms"]["mean"],
                         "itl_p99_ms": ev["itl_ms"]["p99"], "itl_mean_ms": ev["itl_ms"]["mean"],
                         "throughput_tok_s": ev["throughput_tok_s"], "gpus_starving": ev["gpus_starving"],
-                        "gpus_failing_startup": ev["gpus_failing_startup"]},
+                        "gpus_failing_startup": ev["gpus_failing_startup"],
+                        **{k: ev[k] for k in ("adapter_loads_cpu", "adapter_loads_disk") if k in ev}},
             "wall_s": time.perf_counter() - t0}
 
 
@@ -328,7 +355,8 @@ def open_study(setup: SearchSetup, storage: str, study_name: str | None, seed: i
     """(study, name): created or loaded, metric names set."""
     import optuna  # heavy optional dependency: only when a study runs
 
-    name = study_name or f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
+    name = study_name or (f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
+                          + study_suffix(setup.deployment, setup.fleet.router, setup.fleet.adapters))
     study = optuna.create_study(study_name=name, storage=open_storage(storage), sampler=batch_sampler(seed, 0),
                                 directions=["minimize", "minimize"], load_if_exists=True)
     study.set_metric_names(["gpus", setup.objective])
@@ -359,7 +387,8 @@ def enqueue_seeds(study, setup: SearchSetup, ctx: PlacementContext) -> int:
         return 0
     seen = set()
     for label, p in seed_placements(setup, ctx):
-        params = encode(p, setup)
+        params = encode(p, setup) if setup.deployment != "every-gpu" else \
+            {"gpus": min(len(p.gpus), setup.pool), "amax_0": AMAX_MAX}     # as many GPUs, the largest A_max that starts
         key = None if params is None else tuple(sorted(params.items()))
         if params is not None and key not in seen:
             seen.add(key)
@@ -495,15 +524,27 @@ def replay_front(front: list[dict], setup: SearchSetup, traffic: Traffic, *, wor
     for f in front:
         p = decode(f["params"], setup)
         ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s, workers=workers,
-                    ray_address=ray_address)
-        out.append({**f, "heldout": objective_value(ev, setup.objective), "heldout_feasible": served_ok(ev),
+                    ray_address=ray_address, fleet=setup.fleet)
+        out.append({**f, "deployment": setup.deployment, "router": setup.fleet.router,
+                    "adapters": setup.fleet.adapters, "heldout": objective_value(ev, setup.objective), "heldout_feasible": served_ok(ev),
                     "placement": p})
     return out
 
 
+def merge_fronts(rows: list[dict], objective: str) -> list[dict]:
+    """The front across studies (one per deployment and router): the rows no other row weakly
+    dominates on (GPUs, ``objective`` on the search traffic)."""
+    return nondominated(rows, lambda r: (r["gpus"], r[objective]))
+
+
 def front_table(rows: list[dict], objective: str) -> str:
-    lines = [f"{'GPUs':>4} {objective + ' (search)':>20} {objective + ' (held-out)':>22} {'held-out ok':>11}  trial  seed"]
+    labelled = any(r.get("deployment", DEFAULT_DEPLOYMENT) != DEFAULT_DEPLOYMENT or r.get("router", "static") != "static"
+                   or r.get("adapters", "static") != "static" for r in rows)
+    lines = [f"{'GPUs':>4} {objective + ' (search)':>20} {objective + ' (held-out)':>22} {'held-out ok':>11}  trial  "
+             + ("deployment / router / adapters  " if labelled else "") + "seed"]
     for r in rows:
+        what = f"{r.get('deployment', DEFAULT_DEPLOYMENT)} / {r.get('router', 'static')} / {r.get('adapters', 'static')}"
         lines.append(f"{r['gpus']:>4} {r[objective]:>20,.1f} {r['heldout']:>22,.1f} "
-                     f"{'yes' if r['heldout_feasible'] else 'NO':>11}  {r['trial']:>5}  {r.get('seed') or '-'}")
+                     f"{'yes' if r['heldout_feasible'] else 'NO':>11}  {r['trial']:>5}  "
+                     + (f"{what:<40} " if labelled else "") + f"{r.get('seed') or '-'}")
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from lora_opt.tracking import tracked_run
 from twin.errors import ScenarioError
 from twin.paths import GRIDS_DIR
 from twin.parsing import build_dataclass, check_choice, check_finite, check_type, read_config_file
+from twin.flags import max_lora_rank_for
 from twin.profile import VLLM_LORA_RANKS, load_profile
 from twin.scenario import DEFAULT_RHO, LENGTH_SOURCES, MAX_DURATION_S, EngineConfig, scenario_dict
 
@@ -229,7 +230,7 @@ def split_counts(n: int, groups: int) -> list[int]:
 def point_scenario(point: dict, point_id: int, grid: Grid, profile: str) -> dict:
     adapters = [{"count": c, "rank": r, "rate": q}
                 for c, r, q in zip(split_counts(point["n"], grid.groups), point["ranks"], point["rates"]) if c > 0]
-    max_rank = next(r for r in VLLM_LORA_RANKS if r >= max(point["ranks"]))
+    max_rank = max_lora_rank_for(point["ranks"])
     return scenario_dict(
         profile, adapters,
         engine={**grid.engine, "max_loras": point["max_loras"], "max_lora_rank": max_rank,

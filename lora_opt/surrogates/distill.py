@@ -38,7 +38,8 @@ from numba import njit
 
 from lora_opt.io import atomic_write_json
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
-from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, smape
+from lora_opt.smape import smape
+from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates
 from lora_opt.surrogates.oracle import Oracle, as_feature_matrix
 from twin.errors import ScenarioError
 
@@ -372,11 +373,11 @@ def accuracy_report(dist: DistilledSurrogate, rf_regressor, rf_classifier, rf_th
     thr_rf = rf_regressor.predict(X)
     feas_rf = rf_classifier.predict_proba(X)[:, 1] < rf_threshold
     m = np.asarray(measured, bool)
-    rf_s, d_s = smape(thr_rf[m], throughput[m]), smape(thr_d[m], throughput[m])
+    rf_s, d_s = smape(thr_rf[m], throughput[m], undefined="zero"), smape(thr_d[m], throughput[m], undefined="zero")
     rf_e, d_e = error_rates(starving, feas_rf), error_rates(starving, feas_d)
     return {
         "throughput": {"rf_smape": rf_s, "distilled_smape": d_s, "smape_increase": d_s - rf_s,
-                       "distilled_vs_rf_smape": smape(thr_d, thr_rf)},
+                       "distilled_vs_rf_smape": smape(thr_d, thr_rf, undefined="zero")},
         "starvation": {"rf": rf_e, "distilled": d_e,
                        "macro_f1_change": d_e["macro_f1"] - rf_e["macro_f1"],
                        "false_feasible_rate_change": d_e["false_feasible_rate"] - rf_e["false_feasible_rate"],

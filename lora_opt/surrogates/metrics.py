@@ -1,5 +1,6 @@
-"""How good a surrogate is, and the starvation decision rule: SMAPE, per-class error rates, the
-classifier's threshold under the false-feasible bound, prediction latency.
+"""How good a surrogate is, and the starvation decision rule: per-class error rates, the
+classifier's threshold under the false-feasible bound, prediction latency.  (Its SMAPE is
+:func:`lora_opt.smape.smape` with ``undefined="zero"``: a pair of zeros counts as no error.)
 
 Why the classifier has its own threshold
 ----------------------------------------
@@ -21,14 +22,6 @@ import numpy as np
 
 #: the largest acceptable false-feasible rate (out-of-fold, training split)
 MAX_FALSE_FEASIBLE = 0.01
-
-
-def smape(pred, real) -> float:
-    """mean(|p - r| / ((|p| + |r|) / 2)) x 100; a pair of zeros counts as no error."""
-    p, r = np.asarray(pred, float), np.asarray(real, float)
-    den = (np.abs(p) + np.abs(r)) / 2.0
-    err = np.divide(np.abs(p - r), den, out=np.zeros_like(den), where=den > 0)
-    return float(err.mean() * 100.0) if err.size else float("nan")
 
 
 def error_rates(starving, feasible_pred) -> dict:

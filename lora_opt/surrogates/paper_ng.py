@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from lora_opt.surrogates.metrics import smape
+from lora_opt.smape import smape
 
 #: below this many workloads the N*/G* model is reported but flagged as not meaningful
 PAPER_MIN_WORKLOADS = 30
@@ -60,9 +60,10 @@ def paper_ng_model(df, *, seed: int = 0, fast: bool = False) -> dict:
         base[te] = np.median(Y[tr], axis=0)
     out.update({
         "cv": "leave-one-workload-out" if len(wl) < 50 else "5-fold over workloads",
-        "smape_n_star": smape(pred[:, 0], Y[:, 0]), "smape_g_star": smape(pred[:, 1], Y[:, 1]),
-        "median_baseline_smape_n_star": smape(base[:, 0], Y[:, 0]),
-        "median_baseline_smape_g_star": smape(base[:, 1], Y[:, 1]),
+        "smape_n_star": smape(pred[:, 0], Y[:, 0], undefined="zero"),
+        "smape_g_star": smape(pred[:, 1], Y[:, 1], undefined="zero"),
+        "median_baseline_smape_n_star": smape(base[:, 0], Y[:, 0], undefined="zero"),
+        "median_baseline_smape_g_star": smape(base[:, 1], Y[:, 1], undefined="zero"),
         "meaningful": bool(len(wl) >= PAPER_MIN_WORKLOADS),
     })
     if len(wl) < PAPER_MIN_WORKLOADS:

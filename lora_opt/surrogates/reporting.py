@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_opt import settings  # noqa: F401  (MLflow telemetry off before mlflow is imported)
+from lora_opt import no_network_env  # noqa: F401  (MLflow telemetry off before mlflow is imported)
 from lora_opt.io import atomic_write_figure, atomic_write_json
 from lora_opt.surrogates import model_files, registry
 from lora_opt.surrogates.features import FEATURES
-from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, smape
+from lora_opt.smape import smape
+from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE
 from lora_opt.surrogates.training_data import TrainingData
 from lora_opt.tracking import default_tracking_uri, mlflow_quiet, tracked_run
 
@@ -46,7 +47,7 @@ def plot_pred_vs_real(pred, real, starving, path) -> Path:
     lim = [max(1.0, min(real.min(), pred.min()) * 0.8), max(real.max(), pred.max()) * 1.2]
     ax.plot(lim, lim, "k--", lw=1)
     ax.set(xscale="log", yscale="log", xlim=lim, ylim=lim, xlabel="twin throughput (tok/s)",
-           ylabel="predicted throughput (tok/s)", title=f"held-out, SMAPE {smape(pred, real):.1f} %")
+           ylabel="predicted throughput (tok/s)", title=f"held-out, SMAPE {smape(pred, real, undefined='zero'):.1f} %")
     ax.legend()
     atomic_write_figure(path, fig, dpi=100, bbox_inches="tight")
     return Path(path)

@@ -38,7 +38,8 @@ from tqdm import tqdm
 from lora_opt.io import atomic_write_text
 from lora_opt.surrogates import distill, registry
 from lora_opt.surrogates.features import FEATURES
-from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, measure_latency, smape
+from lora_opt.smape import smape
+from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, measure_latency
 from lora_opt.surrogates.oracle import ORACLE_FILES, Surrogate
 from lora_opt.surrogates.paper_ng import paper_ng_model
 from lora_opt.surrogates.reporting import (log_distilled, log_training_run, plot_confusion, plot_pred_vs_real,
@@ -130,7 +131,7 @@ def param_grid(family: str, head: str, fast: bool = False) -> dict:
 def _smape_scorer():
     from sklearn.metrics import make_scorer  # heavy optional dependency: only when training
 
-    return make_scorer(smape, greater_is_better=False)
+    return make_scorer(smape, greater_is_better=False, undefined="zero")
 
 
 def _cv(head: str, folds: int, seed: int):
@@ -204,9 +205,10 @@ def fit_regressor_family(family: str, data: TrainingData, *, folds: int, seed: i
         "model": model, "oof_pred": oof, "rows": rows,
         "metrics": {
             "best_params": _short_params(search.best_params_), "train_rows": int(len(rows)),
-            "cv_smape": smape(oof, y),
-            "test_smape": smape(pred, data.throughput[test]),
-            "test_smape_feasible": smape(model.predict(data.X[feasible_test]), data.throughput[feasible_test])
+            "cv_smape": smape(oof, y, undefined="zero"),
+            "test_smape": smape(pred, data.throughput[test], undefined="zero"),
+            "test_smape_feasible": smape(model.predict(data.X[feasible_test]), data.throughput[feasible_test],
+                                         undefined="zero")
             if len(feasible_test) else float("nan"),
             "test_rows": int(len(test)),
             "latency": measure_latency(model.predict, data.X[data.test], singles=10 if fast else 30),

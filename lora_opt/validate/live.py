@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from lora_opt.emulate.client import Record, replay_routed, split_url
+from lora_opt.emulate.client import PromptTokens, Record, replay_routed, server_prompt_tokens, split_url
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
 from twin.parsing import read_config_file
@@ -102,6 +102,14 @@ def endpoint_versions(urls: dict[int, str]) -> dict[int, str]:
 
     async def all_():
         return await asyncio.gather(*(one(u) for u in urls.values()))
+    return dict(zip(urls, asyncio.run(all_())))
+
+
+def endpoint_prompt_tokens(urls: dict[int, str]) -> dict[int, PromptTokens]:
+    """GPU -> what its endpoint accepts as a prompt (:func:`lora_opt.emulate.client.server_prompt_tokens`:
+    token ids of its own ``/tokenize``, its ``max_model_len`` from ``/v1/models``)."""
+    async def all_():
+        return await asyncio.gather(*(server_prompt_tokens(u) for u in urls.values()))
     return dict(zip(urls, asyncio.run(all_())))
 
 
@@ -202,10 +210,12 @@ def series_rows(scrapes: Scrapes) -> list[dict]:
     return rows
 
 
-def run_live(urls: dict[int, str], req, target: np.ndarray, models: list[str], *, speed: float, end_s: float,
-             scrape_s: float) -> tuple[list[Record], Scrapes, bool]:
-    """Replay the requests against the endpoints while scraping them; Ctrl-C (SIGINT) stops the
-    replay and keeps what was measured.  (records, scrapes, interrupted)."""
+def replay_and_scrape(urls: dict[int, str], req, target: np.ndarray, models: list[str], *, speed: float,
+                      end_s: float, scrape_s: float,
+                      prompts: PromptTokens | None = None) -> tuple[list[Record], Scrapes, bool]:
+    """Replay the requests against the endpoints while scraping them (``prompts``: the token ids the
+    prompts are drawn from, default :func:`lora_opt.emulate.client.prompt_ids`'s range); Ctrl-C
+    (SIGINT) stops the replay and keeps what was measured.  (records, scrapes, interrupted)."""
     import signal
 
     gpus = sorted(urls)
@@ -230,7 +240,7 @@ def run_live(urls: dict[int, str], req, target: np.ndarray, models: list[str], *
         scraper = asyncio.ensure_future(_scrape_loop(urls, scrape_s / speed, speed, t0, scrapes, scrape_stop))
         try:
             records = await replay_routed(url_list, req, local, models, speed, end_s=end_s, stop=stop,
-                                          on_start=t0.append)
+                                          on_start=t0.append, prompts=prompts)
         finally:
             scrape_stop.set()
             await scraper

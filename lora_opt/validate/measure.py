@@ -19,11 +19,12 @@ import math
 import numpy as np
 
 from lora_opt.emulate.client import NOT_SENT, Record
+from lora_opt.validate.admission import Admission
 from twin.simulate import weighted_stats
 
 #: the per-request CSV's columns
 REQUEST_COLUMNS = ("request", "gpu", "endpoint", "adapter", "arrival_s", "sent_s", "input_tokens", "output_tokens",
-                   "output_tokens_received", "status", "http_status", "error", "ttft_ms", "itl_mean_ms", "tpot_ms",
+                   "admission", "output_tokens_admitted", "output_tokens_received", "status", "http_status", "error", "ttft_ms", "itl_mean_ms", "tpot_ms",
                    "e2e_ms", "chunks")
 
 
@@ -52,10 +53,15 @@ def failure_reason(r: Record) -> str:
 
 
 def request_rows(records: list[Record], req, target: np.ndarray, urls: list[str], models: list[str],
-                 speed: float) -> list[dict]:
-    """One row per request (``REQUEST_COLUMNS``), latencies in simulated ms."""
+                 speed: float, admission: Admission | None = None) -> list[dict]:
+    """One row per request (``REQUEST_COLUMNS``), latencies in simulated ms; ``admission``: what
+    the endpoints were expected to do with each request's lengths (``admitted``, ``clamped`` to
+    ``output_tokens_admitted``, ``refused``; :mod:`lora_opt.validate.admission`)."""
     rows = []
     for k, r in enumerate(records):
+        verdict = ("admitted" if admission is None else "refused" if admission.refused[k] else
+                   "clamped" if admission.clamped[k] else "admitted")
+        admitted_out = r.out_len if admission is None or admission.refused[k] else int(admission.out_len[k])
         st = outcome(r)
         t = np.asarray(r.token_times, float) * speed
         sent = r.sent * speed
@@ -67,7 +73,7 @@ def request_rows(records: list[Record], req, target: np.ndarray, urls: list[str]
         rows.append({
             "request": k, "gpu": g, "endpoint": urls[g] if g >= 0 else "", "adapter": models[int(req.adapter[k])],
             "arrival_s": float(req.arrival[k]), "sent_s": sent, "input_tokens": r.in_len, "output_tokens": r.out_len,
-            "output_tokens_received": n_out, "status": st, "http_status": r.status,
+            "admission": verdict, "output_tokens_admitted": admitted_out, "output_tokens_received": n_out, "status": st, "http_status": r.status,
             "error": failure_reason(r) if st == "failed" else "", "ttft_ms": ttft,
             "itl_mean_ms": float(np.diff(t).mean() * 1000) if ok and len(t) > 1 else math.nan,
             "tpot_ms": (e2e - ttft) / (n_out - 1) if ok and n_out > 1 else math.nan, "e2e_ms": e2e,

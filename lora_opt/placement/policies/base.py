@@ -24,7 +24,8 @@ from lora_opt.surrogates.oracle import ORACLE_FILES, Oracle, Surrogate
 from lora_opt.surrogates.registry import surrogate_dir as resolve_surrogate
 from twin.errors import ScenarioError
 from twin.paths import SURROGATES_DIR
-from twin.profile import VLLM_LORA_RANKS, Profile, load_profile
+from twin.flags import max_lora_rank_for
+from twin.profile import Profile, load_profile
 
 
 @dataclass
@@ -101,15 +102,9 @@ class PlacementContext:
         return _load_oracle(str(d / fname), kind)
 
 
-def lora_rank_for(ranks) -> int:
-    """Smallest vLLM ``--max-lora-rank`` value >= every rank."""
-    top = max(ranks)
-    return next(r for r in VLLM_LORA_RANKS if r >= top)
-
-
 def gpu_config(wl: Workload, profile: Profile, ranks, n_adapters: int, max_loras: int) -> GPUConfig:
     e = wl.engine
-    return GPUConfig(max_loras=int(max_loras), max_lora_rank=lora_rank_for(ranks),
+    return GPUConfig(max_loras=int(max_loras), max_lora_rank=max_lora_rank_for(ranks),
                      max_cpu_loras=int(max(max_loras, n_adapters)), max_num_seqs=e.max_num_seqs,
                      max_num_batched_tokens=e.max_num_batched_tokens,
                      gpu_memory_utilization=e.gpu_memory_utilization,
@@ -124,6 +119,8 @@ class PlacementPolicy:
     uses_oracle: ClassVar[bool] = False
     #: policies that may route one adapter to several GPUs
     fractional: ClassVar[bool] = False
+    #: policies with no capacity model: every placement fits the pool it is given (dLoRA's)
+    fills_any_pool: ClassVar[bool] = False
 
     def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
         """Decide the assignment.  May return more GPUs than ``gpus`` when the pool is too small

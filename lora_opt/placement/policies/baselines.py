@@ -16,10 +16,11 @@ from typing import ClassVar
 import numpy as np
 
 import twin
-from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy, lora_rank_for
+from lora_opt.placement.policies.base import Assignment, GPUAssignment, PlacementContext, PlacementPolicy
 from lora_opt.placement.policies.packing import max_loras_that_start
 from lora_opt.placement.workload_file import Workload
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
+from twin.flags import max_lora_rank_for
 from twin.profile import Profile
 from twin.scenario import build_scenario
 
@@ -44,7 +45,7 @@ class StartableCap:
         return self._caps[lora_rank]
 
     def __call__(self, ranks, n_adapters: int) -> int:
-        return max(1, min(int(n_adapters), self.cap(lora_rank_for(ranks))))
+        return max(1, min(int(n_adapters), self.cap(max_lora_rank_for(ranks))))
 
 
 class DLoRA(PlacementPolicy):
@@ -56,6 +57,7 @@ class DLoRA(PlacementPolicy):
     name = "dlora"
     summary = "dLoRA proactive placement: round-robin + burst-tolerance replicas, A_max = adapters/GPU"
     fractional = True
+    fills_any_pool = True
     #: cap A_max to what starts (the operator variant); the paper's A_max = adapters/GPU otherwise
     capped: ClassVar[bool] = False
 
@@ -78,7 +80,7 @@ class DLoRA(PlacementPolicy):
             """KV memory (tokens) of engine j with its A_max (the adapter count, or its startable cap)."""
             if not members[j]:
                 return 0.0
-            lr = lora_rank_for([wl.adapters[k].rank for k in members[j]])
+            lr = max_lora_rank_for([wl.adapters[k].rank for k in members[j]])
             kv = prof.kv_capacity_tokens(a_max(j), lr, e.gpu_memory_utilization, e.max_num_batched_tokens,
                                          max_num_seqs=e.max_num_seqs)
             return float(kv)
@@ -126,7 +128,7 @@ def single_adapter_capacity(profile_name: str, rank: int, mnbt: int, mns: int, u
                             duration_s: float = 120.0, rate: float = 40.0) -> float:
     """The twin's throughput (tok/s) for one adapter of this rank at a saturating rate: LoRAServe's
     per-rank operating point ("the maximum profiled throughput for a single adapter")."""
-    eng = {"max_loras": 1, "max_lora_rank": lora_rank_for([rank]), "max_num_batched_tokens": mnbt,
+    eng = {"max_loras": 1, "max_lora_rank": max_lora_rank_for([rank]), "max_num_batched_tokens": mnbt,
            "max_num_seqs": mns, "gpu_memory_utilization": util}
     if mml:
         eng["max_model_len"] = mml

@@ -58,7 +58,7 @@ from lora_opt.placement.evaluate import GRACE_S, Criterion
 from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
                                               gpu_config)
 from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
-from lora_opt.placement.workload_file import IDLE_RATE, Workload
+from lora_opt.placement.workload_file import Workload, scenario_adapters
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
 from twin.errors import ScenarioError
 from twin.parsing import check_finite
@@ -317,6 +317,8 @@ class GreedyPlus(_GreedyBase):
         if ttft_p99_s is not None and ttft_p99_s <= 0:
             raise ScenarioError(f"ttft_p99_s: must be > 0 (or None), got {ttft_p99_s}")
         self.ttft_p99_s = ttft_p99_s
+        #: twin simulations run (place and replan report them)
+        self.twin_calls = 0
         self.margin = margin
         self.verify_s = verify_s
         #: the oracle is asked at this x the expected load: capacity >= (1 + margin) x load
@@ -324,14 +326,15 @@ class GreedyPlus(_GreedyBase):
         if oracle is not None:
             self.oracle_kind = oracle
 
-    def _twin_ok(self, wl: Workload, ctx: PlacementContext, idx, amax: int) -> bool:
+    def _twin_ok(self, wl: Workload, ctx: PlacementContext, idx, amax: int, cfg=None) -> bool:
         """The twin's verdict on one GPU at (1 + margin) x its load: it starts, does not starve and
         keeps p99 TTFT <= ttft_p99_s (requests waiting for an adapter slot starve while throughput
         looks fine).  The traffic: the observed requests of its adapters (``ctx.history``) with
         time compressed by 1 + margin -- bursts included -- or, without history, Poisson arrivals
-        at the expected rates for ``verify_s`` seconds with the workload's lengths."""
+        at the expected rates for ``verify_s`` seconds with the workload's lengths.  ``cfg``: the
+        instance's flags when they are given (a running instance keeps its own), else the policy's."""
         ads = [wl.adapters[i] for i in idx]
-        cfg = gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
+        cfg = cfg or gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
         criterion = self.criterion or Criterion(rho=wl.rho)
         f = 1.0 + self.margin
         duration_s, requests = self.verify_s, None
@@ -346,8 +349,7 @@ class GreedyPlus(_GreedyBase):
             duration_s = ctx.history_s / f
         # early stop only certifies a served fraction below rho (graced like the judge below); a
         # latency-only criterion needs the whole run
-        adapters = [{"count": 1, "rank": a.rank, "rate": max(a.rate * f, IDLE_RATE)} for a in ads]
-        sc = build_scenario(wl.profile, adapters, engine=cfg, arrivals={"process": "poisson"},
+        sc = build_scenario(wl.profile, scenario_adapters(ads, f), engine=cfg, arrivals={"process": "poisson"},
                             lengths=wl.evaluation.lengths, duration_s=duration_s,
                             rho=criterion.rho if criterion.rho is not None else wl.rho, seed=wl.evaluation.seed,
                             early_stop=criterion.rho is not None, where="greedy-plus verification")
@@ -490,6 +492,36 @@ class GreedyPlus(_GreedyBase):
         if (not r[0] or alt != r[1]) and self._twin_ok(wl, ctx, order[s:s + n], alt):
             return True, alt, None
         return False, 0, 0.0
+
+    def gpu_verdict(self, wl: Workload, ctx: PlacementContext, idx, cfg=None) -> bool:
+        """Does one GPU serve the adapters ``idx`` (workload indices, in the GPU's own order)?  The
+        test every GPU of a greedy-plus placement passed, for any set: with ``cfg`` (a running
+        instance's flags, kept) the twin at ``cfg.max_loras`` (the surrogate at that A_max without
+        twin verification); without, A_max chosen as ``place`` chooses it.  ``lora-opt replan``
+        judges kept GPUs and every transition state with it."""
+        ads = [wl.adapters[i] for i in idx]
+        if not ads:
+            return True
+        if cfg is not None and max(a.rank for a in ads) > cfg.max_lora_rank:
+            return False                  # vLLM refuses to load it
+        if cfg is not None and self.verify_s > 0:
+            return self._twin_ok(wl, ctx, idx, cfg.max_loras, cfg)
+        ranks, rates = np.array([a.rank for a in ads]), np.array([a.rate for a in ads], float)
+        order = np.asarray(idx)[priority_order(ranks, rates)]
+        seg = Segments([wl.adapters[i].rank for i in order], [wl.adapters[i].rate for i in order])
+        oracle = ctx.oracle(self.oracle_kind)
+        if cfg is not None:
+            n, a = np.array([len(ads)]), np.array([cfg.max_loras])
+            X = np.concatenate([seg.rows(0, n, a, pad_to=MIN_ADAPTERS_PER_GPU),
+                                seg.rows(0, n, a, self.load_factor, pad_to=MIN_ADAPTERS_PER_GPU)])
+            return bool(oracle.predict(X)[1].all())
+        e = wl.engine
+        mem_cap = max_loras_that_start(ctx.profile, int(ranks.max()), e.gpu_memory_utilization,
+                                       e.max_num_batched_tokens, e.max_model_len or ctx.profile.model.max_model_len,
+                                       e.max_num_seqs, self.max_adapters)
+        if self.verify_s > 0:
+            return self._verified(wl, ctx, oracle, seg, order, 0, len(ads), mem_cap)[0]
+        return self._best(oracle, seg, 0, len(ads), min(mem_cap, SURROGATE_MAX_ADAPTERS))[0]
 
     def _balanced(self, K, wl, ctx, oracle, seg, order, mem_caps, ranks, notes):
         """K GPUs with the priority order cut into parts of equal weight (half load, half adapter

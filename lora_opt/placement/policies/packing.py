@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lora_opt.placement.policies.base import lora_rank_for
+from twin.flags import max_lora_rank_for
 from twin.profile import Profile
 
 
@@ -36,7 +36,7 @@ def priority_order(ranks, rates) -> np.ndarray:
 def max_loras_that_start(profile: Profile, rank: int, util: float, mnbt: int, mml: int, mns: int,
                          limit: int) -> int:
     """Largest A_max <= ``limit`` whose instance starts, by the profile's memory model (0 if none)."""
-    lr = lora_rank_for([rank])
+    lr = max_lora_rank_for([rank])
     lo, hi = 0, limit                         # invariant: lo starts (or 0), hi+1.. unknown
     if profile.startup_check(hi, lr, util, mnbt, mml, mns)[0]:
         return hi

@@ -1,0 +1,395 @@
+"""Re-place a running placement for new demand: the fewest adapter moves and instance restarts, and
+the plan to get there through vLLM's runtime LoRA endpoints, every intermediate state checked.
+
+Vocabulary.  An *instance* is one vLLM server on one GPU; it keeps a stable name across replans
+(``placement.meta["instances"]``, default ``gpu<i>``).  A *move* is an adapter added to or removed
+from an instance (a load or an unload; an adapter going from A to B is two moves).  A *restart* is
+an instance whose flags (``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``, ...) change: vLLM
+reads them only at start-up.
+
+Candidates (the cheapest by :class:`ReplanCosts` wins):
+
+* ``incremental`` -- start from the current assignment.  Every instance keeps its flags (no
+  restart).  Retired adapters are unloaded; an instance that no longer serves its adapters (the
+  policy's own GPU test: ``GreedyPlus.gpu_verdict``, the twin at (1 + margin) x the load) sheds its
+  hottest adapters, as few as the test allows (bisection); the shed ones, new adapters and adapters
+  the current placement split over several GPUs are *pending*.  Pending adapters fill the
+  instances with room (largest prefix each instance passes, priority order), then the policy
+  places the rest on new instances (its own ``assign``: fresh flags, hot adapters replicated).
+  Optionally (``consolidate``) the lightest instances are emptied into the others and stopped
+  while that lowers the cost (how GPUs are given back when demand falls).
+* ``from-scratch`` -- the policy's placement of the new workload, its GPUs matched to running
+  instances by the adapters they share (greedy, largest overlap first); a matched GPU whose flags
+  differ is a restart.  Its cost is what ``lora-opt schedule`` compares against.
+
+The transition (:func:`transition_plan`): unload retired adapters; launch new instances (their
+adapters as ``--lora-modules``, no traffic yet); then, one source instance at a time (starving ones
+first), load each leaving adapter where it goes (``POST /v1/load_lora_adapter``), switch its
+router weights, unload it from the source (``POST /v1/unload_lora_adapter``); then adapters new to
+the workload; last, instances left without traffic are drained and stopped.  A restart is a
+replacement: the new instance is launched beside the old one, which is drained and stopped, so
+the pool needs one spare GPU per restart during the transition (``peak_gpus``).  After every
+group the instances whose routed traffic changed are judged with the same GPU test at the expected
+load (margin 0: a state lasts minutes, and near the packing boundary a subset of a GPU's adapters
+can fail at 1 + margin where the whole set passed, by other Poisson draws); a state is
+``ok`` if no instance starves except one the plan only relieved (its traffic a subset of what it
+had when the plan began: the demand, not the plan, overloaded it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lora_opt.errors import InputError
+from lora_opt.placement.plan import GPUConfig, Placement
+from lora_opt.placement.policies.base import gpu_config
+from lora_opt.placement.policies.greedy import GreedyPlus
+from lora_opt.placement.policies.packing import priority_order
+from lora_opt.placement.replan_steps import placement_order, transition_plan
+from lora_opt.placement.workload_file import Workload
+from twin.parsing import check_finite
+
+#: consolidation stops after this many instances it could not empty
+CONSOLIDATE_TRIES = 2
+
+
+@dataclass(frozen=True)
+class ReplanCosts:
+    """What a move and a restart cost against a GPU; both 0 (default) = lexicographic: fewest
+    GPUs first, then fewest restarts, then fewest moves."""
+
+    move_cost: float = 0.0
+    """GPU-equivalents one move (one adapter loaded on or unloaded from one instance) costs, >= 0."""
+    restart_cost: float = 0.0
+    """GPU-equivalents one instance restart costs, >= 0."""
+
+    def __post_init__(self):
+        for name in ("move_cost", "restart_cost"):
+            check_finite(getattr(self, name), name, 0.0, 1e6, InputError)
+
+    def key(self, gpus: int, restarts: int, moves: int) -> tuple[float, int, int]:
+        return gpus + self.move_cost * moves + self.restart_cost * restarts, restarts, moves
+
+
+@dataclass
+class Instance:
+    """One vLLM instance of a candidate: its flags and the traffic routed to it."""
+
+    name: str
+    cfg: GPUConfig
+    adapters: list[tuple[int, float]]
+    """(workload adapter index, routing weight), in the instance's own order."""
+    origin: int | None = None
+    """Its GPU index in the current placement; None = launched by this plan."""
+    replaces: str | None = None
+    """A restart: the running instance this one replaces."""
+
+    def ids(self) -> set[int]:
+        return {i for i, _ in self.adapters}
+
+
+@dataclass
+class Candidate:
+    name: str
+    instances: list[Instance]
+    unplaceable: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    loads: int = 0
+    unloads: int = 0
+    restarts: int = 0
+
+    @property
+    def moves(self) -> int:
+        return self.loads + self.unloads
+
+    def summary(self, costs: ReplanCosts) -> dict:
+        return {"name": self.name, "gpus": len(self.instances), "moves": self.moves, "loads": self.loads,
+                "unloads": self.unloads, "restarts": self.restarts, "feasible": not self.unplaceable,
+                "cost_gpu_equivalents": costs.key(len(self.instances), self.restarts, self.moves)[0]}
+
+
+class GPUJudge:
+    """The policy's GPU test on a subset of a workload's traffic, with a cache (a transition asks
+    about the same instance states again and again)."""
+
+    def __init__(self, wl: Workload, policy: GreedyPlus, ctx):
+        self.wl, self.policy, self.ctx = wl, policy, ctx
+        self._cache: dict = {}
+        self.calls = 0
+
+    def ok(self, pairs: list[tuple[int, float]], cfg: GPUConfig | None) -> bool:
+        key = (tuple(pairs), cfg)
+        if key not in self._cache:
+            self.calls += 1
+            # a fractional route carries weight x the adapter's rate: judged as its own adapter
+            ads = tuple(self.wl.adapters[i] if w == 1.0 else dataclasses.replace(self.wl.adapters[i],
+                                                                                rate=self.wl.adapters[i].rate * w)
+                        for i, w in pairs)
+            sub = dataclasses.replace(self.wl, adapters=ads)
+            self._cache[key] = self.policy.gpu_verdict(sub, self.ctx, list(range(len(ads))), cfg)
+        return self._cache[key]
+
+
+def instance_names(p: Placement) -> list[str]:
+    names = p.meta.get("instances")
+    if isinstance(names, list) and len(names) == len(p.gpus) and all(isinstance(n, str) for n in names) \
+            and len(set(names)) == len(names):
+        return names
+    return [f"gpu{i}" for i in range(len(p.gpus))]
+
+
+def _fresh_names(taken: set[str]):
+    k = 0
+    while True:
+        if f"gpu{k}" not in taken:
+            taken.add(f"gpu{k}")
+            yield f"gpu{k}"
+        k += 1
+
+
+def current_state(p: Placement, wl: Workload) -> tuple[list[Instance], list[tuple[str, str]], list[int]]:
+    """(the running instances with their traffic under the new workload -- adapters routed to one
+    GPU, in the GPU's order --, the retired (instance, adapter id) pairs, the pending adapters:
+    new ones and those the current placement splits over several GPUs)."""
+    if p.profile != wl.profile:
+        raise InputError(f"replan: the placement is for profile {p.profile!r}, the workload for {wl.profile!r}")
+    index = {a.id: k for k, a in enumerate(wl.adapters)}
+    names = instance_names(p)
+    by_gpu = p.by_gpu()
+    split = {aid for aid, rs in p.routes.items() if len(rs) > 1}
+    insts, retired = [], []
+    for g, on in enumerate(by_gpu):
+        pairs = []
+        for k, _ in on:
+            aid = p.adapters[k].id
+            if aid not in index:
+                retired.append((names[g], aid))
+            elif aid not in split:
+                pairs.append((index[aid], 1.0))
+        insts.append(Instance(names[g], p.gpus[g], pairs, origin=g))
+    placed = {i for it in insts for i, _ in it.adapters}
+    pending = [k for k in range(len(wl.adapters)) if k not in placed]
+    return insts, retired, pending
+
+
+def _largest(test, nmax: int) -> int:
+    """The largest n in 0..nmax that passes (monotone), by the policy's own bisection."""
+    if nmax <= 0:
+        return 0
+    found = GreedyPlus._largest(lambda n: (test(n),), nmax)
+    return found[0] if found else 0
+
+
+def _shed(it: Instance, wl: Workload, judge: GPUJudge) -> list[int]:
+    """Make ``it`` pass by shedding its hottest adapters, as few as the test allows; the shed ones."""
+    fits = [p for p in it.adapters if wl.adapters[p[0]].rank <= it.cfg.max_lora_rank]
+    out = [i for i, _ in it.adapters if wl.adapters[i].rank > it.cfg.max_lora_rank]
+    it.adapters = fits
+    if not fits or judge.ok(fits, it.cfg):
+        return out
+    hottest = sorted(range(len(fits)), key=lambda j: -wl.adapters[fits[j][0]].rate)
+
+    def keep(m: int) -> list[tuple[int, float]]:
+        drop = set(hottest[:len(fits) - m])
+        return [p for j, p in enumerate(fits) if j not in drop]
+
+    m = _largest(lambda m: judge.ok(keep(m), it.cfg), len(fits) - 1)
+    it.adapters = keep(m)
+    return out + [i for i in (p[0] for p in fits) if i not in it.ids()]
+
+
+def _fill(insts: list[Instance], pending: list[int], wl: Workload, judge: GPUJudge) -> list[int]:
+    """Pending adapters into the instances with room (priority order, the largest prefix each
+    instance passes, lightest instance first); those left over."""
+    ranks = np.array([wl.adapters[i].rank for i in pending])
+    rates = np.array([wl.adapters[i].rate for i in pending], float)
+    left = [pending[j] for j in priority_order(ranks, rates)] if pending else []
+    for it in sorted(insts, key=lambda it: sum(wl.adapters[i].rate * w for i, w in it.adapters)):
+        if not left:
+            break
+        cand = [i for i in left if wl.adapters[i].rank <= it.cfg.max_lora_rank]
+        m = _largest(lambda m: judge.ok(it.adapters + [(i, 1.0) for i in cand[:m]], it.cfg), len(cand))
+        if m:
+            it.adapters = it.adapters + [(i, 1.0) for i in cand[:m]]
+            taken = set(cand[:m])
+            left = [i for i in left if i not in taken]
+    return left
+
+
+def _new_instances(pending: list[int], wl: Workload, policy: GreedyPlus, ctx, names) -> tuple[list[Instance], list[int], list[str]]:
+    """The policy's own placement of the pending adapters on new instances."""
+    if not pending:
+        return [], [], []
+    sub = dataclasses.replace(wl, adapters=tuple(wl.adapters[i] for i in pending))
+    asg = policy.assign(sub, len(pending), ctx)
+    out = []
+    for g in asg.gpus:
+        if g.adapters:
+            cfg = gpu_config(sub, ctx.profile, [sub.adapters[i].rank for i, _ in g.adapters], len(g.adapters),
+                             g.max_loras)
+            out.append(Instance(next(names), cfg, [(pending[i], float(w)) for i, w in g.adapters]))
+    return out, [pending[i] for i in asg.unplaceable], list(asg.notes)
+
+
+def count_moves(start: list[Instance], target: list[Instance], retired: list) -> tuple[int, int, int]:
+    """(loads, unloads, restarts) from the running instances to the candidate's."""
+    before = {it.name: it.ids() for it in start}
+    loads = unloads = restarts = 0
+    kept = set()
+    for it in target:
+        old = before.get(it.name, set()) if it.origin is not None else set()
+        loads += len(it.ids() - old)
+        unloads += len(old - it.ids())
+        if it.origin is not None:
+            kept.add(it.name)
+        if it.replaces is not None:
+            restarts += 1
+    unloads += sum(len(ids) for name, ids in before.items() if name not in kept) + len(retired)
+    return loads, unloads, restarts
+
+
+def incremental(start: list[Instance], pending: list[int], retired, wl: Workload, policy: GreedyPlus, ctx,
+                judge: GPUJudge, costs: ReplanCosts, consolidate: bool) -> Candidate:
+    insts = [dataclasses.replace(it, adapters=list(it.adapters)) for it in start]
+    pending = list(pending)
+    for it in insts:
+        pending += _shed(it, wl, judge)
+    insts = [it for it in insts if it.adapters]        # emptied instances stop
+    pending = _fill(insts, pending, wl, judge)
+    names = _fresh_names({it.name for it in start})
+    new, unplaceable, notes = _new_instances(pending, wl, policy, ctx, names)
+    cand = Candidate("incremental", insts + new, unplaceable, notes)
+    _count(cand, start, retired)
+    fails = 0
+    while consolidate and fails < CONSOLIDATE_TRIES and len(cand.instances) > 1:
+        trial = _emptied(cand, wl, judge, fails)
+        if trial is None:
+            fails += 1
+            continue
+        _count(trial, start, retired)
+        if costs.key(len(trial.instances), trial.restarts, trial.moves) >= \
+                costs.key(len(cand.instances), cand.restarts, cand.moves):
+            break
+        cand = trial
+    return cand
+
+
+def _emptied(cand: Candidate, wl: Workload, judge: GPUJudge, skip: int) -> Candidate | None:
+    """``cand`` with its (skip+1)-th lightest instance's adapters moved into the others, or None."""
+    load = [sum(wl.adapters[i].rate * w for i, w in it.adapters) for it in cand.instances]
+    j = int(np.argsort(load, kind="stable")[skip]) if skip < len(load) else None
+    if j is None or any(w != 1.0 for _, w in cand.instances[j].adapters):
+        return None
+    others = [dataclasses.replace(it, adapters=list(it.adapters)) for k, it in enumerate(cand.instances) if k != j]
+    if _fill(others, [i for i, _ in cand.instances[j].adapters], wl, judge):
+        return None
+    return Candidate(cand.name, others, cand.unplaceable, cand.notes + [f"consolidated: {cand.instances[j].name} "
+                                                                        "emptied into the others and stopped"])
+
+
+def _count(cand: Candidate, start, retired) -> None:
+    cand.loads, cand.unloads, cand.restarts = count_moves(start, cand.instances, retired)
+
+
+def scratch_placement(wl: Workload, policy: GreedyPlus, ctx) -> Placement:
+    """The policy's placement of ``wl`` from scratch, on as many GPUs as it needs."""
+    return policy.place(wl, max(1, len(wl.adapters)), ctx)
+
+
+def from_scratch(start: list[Instance], retired, wl: Workload, p: Placement) -> Candidate:
+    """The placement ``p`` of the new workload (made from scratch), matched to the running instances."""
+    sets = [{k for k, _ in on} for on in p.by_gpu()]
+    pairs = sorted(((len(sets[j] & it.ids()), j, s) for j in range(len(sets)) for s, it in enumerate(start)),
+                   reverse=True)
+    match: dict[int, int] = {}
+    used = set()
+    for overlap, j, s in pairs:
+        if overlap and j not in match and s not in used:
+            match[j] = s
+            used.add(s)
+    names = _fresh_names({it.name for it in start})
+    out = []
+    for j, on in enumerate(p.by_gpu()):
+        adapters = [(k, float(w)) for k, w in on]
+        s = match.get(j)
+        if s is not None and start[s].cfg == p.gpus[j]:
+            out.append(Instance(start[s].name, p.gpus[j], adapters, origin=start[s].origin))
+        else:
+            out.append(Instance(next(names), p.gpus[j], adapters,
+                                replaces=start[s].name if s is not None else None))
+    unplaceable = set(p.meta.get("unplaceable", []))
+    cand = Candidate("from-scratch", out, [i for i, a in enumerate(wl.adapters) if a.id in unplaceable],
+                     list(p.meta.get("notes", [])))
+    _count(cand, start, retired)
+    return cand
+
+
+@dataclass
+class Replan:
+    """The chosen candidate, the alternatives, and the transition."""
+
+    chosen: Candidate
+    candidates: list[Candidate]
+    placement: Placement
+    plan: dict
+
+
+def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: ReplanCosts = ReplanCosts(),
+           consolidate: bool = True, scratch: bool = True, scratch_p: Placement | None = None,
+           host: str = "127.0.0.1", base_port: int = 8000) -> Replan:
+    """Re-place ``current`` for ``wl`` (see the module docstring).  ``scratch_p``: the policy's
+    placement of ``wl`` from scratch when the caller has it (``schedule`` compares it too)."""
+    if not isinstance(policy, GreedyPlus):
+        raise InputError(f"replan: policy {policy.name!r} has no GPU test for a given adapter set; use greedy-plus")
+    if ctx.history is not None:
+        raise InputError("replan: a request history is not supported yet; give the new rates in the workload")
+    t0 = time.perf_counter()
+    judge = GPUJudge(wl, policy, ctx)
+    # a transition state lasts minutes, not the hour the margin insures: states are judged at the
+    # expected load (margin 0) with the same criterion and latency bound -- near the packing
+    # boundary a subset of a GPU's adapters can fail at 1 + margin where the whole set passed
+    # (different Poisson draws), which is noise in the verdict, not load the plan added
+    at_load = GreedyPlus(margin=0.0, oracle=policy.oracle_kind, verify_s=policy.verify_s,
+                         ttft_p99_s=policy.ttft_p99_s, max_adapters=policy.max_adapters,
+                         criterion=policy.criterion)
+    start, retired, pending = current_state(current, wl)
+    cands = [incremental(start, pending, retired, wl, policy, ctx, judge, costs, consolidate)]
+    if scratch:
+        cands.append(from_scratch(start, retired, wl, scratch_p or scratch_placement(wl, policy, ctx)))
+    feasible = [c for c in cands if not c.unplaceable] or cands
+    best = min(feasible, key=lambda c: costs.key(len(c.instances), c.restarts, c.moves))
+    states_judge = GPUJudge(wl, at_load, ctx)
+    plan = transition_plan(current, start, retired, best, wl, states_judge, host=host, base_port=base_port)
+    plan["candidates"] = [c.summary(costs) for c in cands]
+    plan["chosen"] = best.name
+    plan["costs"] = dataclasses.asdict(costs)
+    plan["twin_checks"] = judge.calls + states_judge.calls
+    placement = target_placement(best, wl, policy, current, time.perf_counter() - t0)
+    return Replan(best, cands, placement, plan)
+
+
+def target_placement(c: Candidate, wl: Workload, policy: GreedyPlus, current: Placement, wall_s: float) -> Placement:
+    """The candidate as a ``Placement`` (kept instances first, in their current order), with the
+    meta ``lora-opt place`` writes and the instance names."""
+    insts = placement_order(c.instances)
+    routes: dict[str, list[tuple[int, float]]] = {}
+    for g, it in enumerate(insts):
+        for i, w in it.adapters:
+            routes.setdefault(wl.adapters[i].id, []).append((g, w))
+    n = len(insts)
+    verified = 1.0 + policy.margin if policy.verify_s > 0 else None
+    meta = {"workload": wl.name, "rho": wl.rho, "gpus_pool": max(n, 1), "gpus_used": n if not c.unplaceable else None,
+            "gpus_needed": n, "feasible": not c.unplaceable,
+            "unplaceable": [wl.adapters[i].id for i in c.unplaceable],
+            "predicted_throughput": [None] * n, "starvation_margin": [None] * n,
+            "twin_verified_at_load": [verified] * n,
+            "incoming_rate_req_s": [sum(wl.adapters[i].rate * w for i, w in it.adapters) for it in insts],
+            "policy_wall_ms": wall_s * 1e3, "notes": list(c.notes), "workload_meta": wl.meta,
+            "instances": [it.name for it in insts],
+            "replanned_from": {"workload": current.meta.get("workload"), "policy": current.policy}}
+    return Placement(profile=wl.profile, adapters=list(wl.adapters), gpus=[it.cfg for it in insts], routes=routes,
+                     policy=f"replan/{policy.name}", meta=meta)
+

@@ -1,0 +1,176 @@
+"""``lora-opt replan``: the fewest moves for new demand, and a transition that never starves an
+instance it loads (lora_opt.placement.replan, lora_opt.placement.replan_steps)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from lora_opt.cli import main
+from lora_opt.errors import InputError
+from lora_opt.placement.plan import Placement
+from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.placement.replan import GPUJudge, ReplanCosts, replan
+from lora_opt.placement.workload_file import workload_from_dict
+
+PROFILE = "llama-3.1-8b-h100-64gb"
+GROUPS = [{"count": 30, "rank": 8, "rate": 0.2, "prefix": "a8-"},
+          {"count": 20, "rank": 16, "rate": 0.25, "prefix": "a16-"},
+          {"count": 10, "rank": 32, "rate": 0.2, "prefix": "a32-"}]
+
+
+def _workload(scale: float = 1.0, groups=GROUPS, name: str = "w"):
+    return workload_from_dict({"profile": PROFILE, "name": name,
+                               "adapters": [{**g, "rate": g["rate"] * scale} for g in groups]})
+
+
+@pytest.fixture(scope="module")
+def placed():
+    wl = _workload()
+    policy = get_policy("greedy-plus")
+    ctx = PlacementContext.for_workload(wl)
+    return wl, policy, ctx, policy.place(wl, 16, ctx)
+
+
+def _steps(plan, action):
+    return [s for s in plan["steps"] if s["action"] == action]
+
+
+def _check_transition(plan):
+    """Every state after the first is ok; an instance the plan adds traffic to never starves."""
+    assert plan["transition_ok"]
+    for s in plan["states"][1:]:
+        for inst in s["instances"]:
+            assert inst["ok"] or inst["relieved_only"], (s["label"], inst)
+
+
+def test_an_unchanged_workload_proposes_no_move(placed):
+    wl, policy, ctx, p = placed
+    r = replan(p, wl, policy, ctx)
+    assert r.chosen.name == "incremental"
+    assert (r.chosen.moves, r.chosen.restarts, len(r.chosen.instances)) == (0, 0, len(p.gpus))
+    assert r.plan["steps"] == [] and r.plan["starving_at_start"] == []
+    assert r.placement.gpus == p.gpus and r.placement.routes == p.routes
+    _check_transition(r.plan)
+
+
+def test_a_doubled_rate_adds_gpus_and_moves_only_what_must_move(placed):
+    wl, policy, ctx, p = placed
+    wl2 = _workload(2.0)
+    r = replan(p, wl2, policy, ctx)
+    c = r.chosen
+    assert len(c.instances) > len(p.gpus) and c.restarts == 0
+    assert r.plan["starving_at_start"], "the doubled demand overloads the running instances"
+    kept = [it for it in c.instances if it.origin is not None]
+    assert len(kept) == len(p.gpus) and all(it.cfg == p.gpus[it.origin] for it in kept)    # no restart
+    judge = GPUJudge(wl2, policy, ctx)
+    before = p.by_gpu()
+    moved = 0
+    for it in kept:
+        had = [k for k, _ in before[it.origin]]
+        stayed = [i for i, _ in it.adapters]
+        assert stayed == [k for k in had if k in set(stayed)], "kept adapters keep their place"
+        shed = [k for k in had if k not in set(stayed)]
+        moved += len(shed)
+        assert judge.ok(it.adapters, it.cfg)
+        if shed:           # minimal: the coldest adapter shed could not have stayed
+            coldest = min(shed, key=lambda k: wl2.adapters[k].rate)
+            assert not judge.ok(it.adapters + [(coldest, 1.0)], it.cfg)
+    assert 0 < moved < len(wl2.adapters)
+    assert c.loads == moved and c.unloads == moved
+    assert r.chosen.moves <= next(x for x in r.candidates if x.name == "from-scratch").moves
+    _check_transition(r.plan)
+
+
+def test_loads_come_before_the_switch_and_unloads_after(placed):
+    wl, policy, ctx, p = placed
+    r = replan(p, _workload(1.6), policy, ctx)
+    steps = r.plan["steps"]
+    for route in _steps(r.plan, "route"):
+        for aid, dests in route["weights"].items():
+            for dest, _, _ in dests:
+                ready = [s["step"] for s in steps if s.get("instance") == dest and
+                         (s["action"] == "load" and s["adapter"] == aid or
+                          s["action"] == "launch" and aid in s["lora_modules"])]
+                assert ready and max(ready) < route["step"] or dest in _holders(p, aid)
+            for s in steps:
+                if s["action"] == "unload" and s["adapter"] == aid:
+                    assert s["step"] > route["step"]
+    for s in _steps(r.plan, "load") + _steps(r.plan, "unload"):
+        assert s["request"]["method"] == "POST" and s["request"]["json"]["lora_name"] == s["adapter"]
+        assert s["request"]["url"].endswith(("/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
+    _check_transition(r.plan)
+
+
+def _holders(p: Placement, aid: str) -> set[str]:
+    return {f"gpu{g}" for g, _ in p.routes.get(aid, [])}
+
+
+def test_lower_demand_gives_gpus_back_and_drains_before_stopping(placed):
+    _, policy, ctx, _ = placed
+    p = policy.place(_workload(2.5), 16, ctx)
+    assert len(p.gpus) >= 2
+    r = replan(p, _workload(0.5), policy, ctx)
+    assert len(r.chosen.instances) < len(p.gpus)
+    stops = _steps(r.plan, "stop")
+    assert stops
+    for stop in stops:
+        drain = [s["step"] for s in _steps(r.plan, "drain") if s["instance"] == stop["instance"]]
+        assert drain and drain[0] < stop["step"]
+        assert all(s["step"] < drain[0] for s in _steps(r.plan, "route"))
+    _check_transition(r.plan)
+    # no consolidation: the same demand keeps every instance
+    r2 = replan(p, _workload(0.5), policy, ctx, consolidate=False, scratch=False)
+    assert len(r2.chosen.instances) == len(p.gpus) and r2.chosen.moves == 0
+
+
+def test_arrivals_and_retirements_are_loaded_and_unloaded(placed):
+    wl, policy, ctx, p = placed
+    groups = [dict(GROUPS[0], count=25), GROUPS[1], GROUPS[2], {"count": 4, "rank": 16, "rate": 0.2, "prefix": "new-"}]
+    wl2 = _workload(groups=groups)
+    r = replan(p, wl2, policy, ctx, scratch=False)
+    unloaded = {s["adapter"] for s in _steps(r.plan, "unload") if s.get("why") == "retired"}
+    assert unloaded == {f"a8-{k}" for k in range(25, 30)} - {a for a in unloaded if False}
+    routed = {aid for s in _steps(r.plan, "route") for aid in s["adapters"]}
+    assert {f"new-{k}" for k in range(4)} <= routed
+    assert sorted(r.placement.routes) == sorted(a.id for a in wl2.adapters)
+    _check_transition(r.plan)
+
+
+def test_costs_weigh_moves_against_gpus(placed):
+    wl, policy, ctx, p = placed
+    costs = ReplanCosts(move_cost=0.5)
+    assert costs.key(3, 0, 4) == (5.0, 0, 4)
+    assert ReplanCosts().key(3, 1, 40) < ReplanCosts().key(4, 0, 0)      # lexicographic: GPUs first
+    with pytest.raises(InputError, match="move_cost"):
+        ReplanCosts(move_cost=-1)
+    with pytest.raises(InputError, match="profile"):
+        replan(p, dataclasses.replace(wl, profile="other"), policy, ctx)
+
+
+def test_the_cli_writes_the_plan_and_the_new_placement(placed, tmp_path, capsys):
+    wl, policy, ctx, p = placed
+    p.save(tmp_path / "placement.json")
+    (tmp_path / "new.json").write_text(json.dumps(_workload(2.0, name="w2").to_dict()))
+    code = main(["replan", str(tmp_path / "placement.json"), "--workload", str(tmp_path / "new.json"),
+                 "--out", str(tmp_path / "out"), "--no-scratch"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "incremental" in out and "intermediate states judged" in out
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    new = Placement.load(tmp_path / "out")
+    assert plan["chosen"] == "incremental" and plan["transition_ok"]
+    assert len(new.meta["instances"]) == len(new.gpus) > len(p.gpus)
+    # a second replan from the new placement with the same demand: nothing to do
+    code = main(["replan", str(tmp_path / "out"), "--workload", str(tmp_path / "new.json"),
+                 "--out", str(tmp_path / "again"), "--json", "--no-scratch"])
+    again = json.loads(capsys.readouterr().out)
+    assert code == 0 and again["steps"] == [] and again["candidates"][0]["moves"] == 0
+
+
+def test_cli_errors_name_the_flag(tmp_path, capsys):
+    assert main(["replan", str(tmp_path / "missing.json"), "--workload", "example"]) == 2
+    assert "placement" in capsys.readouterr().err
+    assert main(["replan", "x", "--workload", "example", "--move-cost", "-1"]) == 2
+    assert "--move-cost" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""``lora-opt search`` on the fleet twin: ``--router`` / ``--adapters`` replay trials as one fleet,
+``--deployment every-gpu`` searches (GPUs, one A_max) with every adapter on every GPU, and several
+deployments x routers run one study each, their fronts merged into one."""
+import json
+
+import pytest
+import yaml
+
+from lora_opt.placement.evaluate import Criterion
+from lora_opt.placement.instances import FleetOptions
+from lora_opt.placement.policies import PlacementContext
+from lora_opt.placement.workload_file import workload_from_dict
+from lora_opt.search.deployments import every_gpu_placement, study_suffix
+from lora_opt.search.study import AMAX_MAX, SearchSetup, Traffic, decode, merge_fronts, run_trial
+from twin.errors import ScenarioError
+from test_search import P, TINY
+from twin.profile import load_profile
+
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    wl = workload_from_dict(TINY)
+    return wl, PlacementContext.for_workload(wl)
+
+
+def test_every_gpu_placement_routes_every_adapter_to_every_identical_gpu(tiny):
+    wl, _ = tiny
+    p = every_gpu_placement(wl, load_profile(P), 3, 8)
+    assert len(p.gpus) == 3 and len(set(p.gpus)) == 1
+    assert p.gpus[0].max_loras == 8 and p.gpus[0].max_lora_rank == 16 and p.gpus[0].max_cpu_loras == 24
+    assert all(sorted(g for g, _ in rs) == [0, 1, 2] and sum(w for _, w in rs) == pytest.approx(1) for rs in p.routes.values())
+    assert every_gpu_placement(wl, load_profile(P), 1, 10_000).gpus[0].max_loras == 24      # clipped to the adapters
+    with pytest.raises(ScenarioError, match="gpus and A_max"):
+        every_gpu_placement(wl, load_profile(P), 0, 8)
+
+
+def test_every_gpu_trial_runs_on_the_fleet_twin_and_counts_loads(tiny):
+    wl, ctx = tiny
+    setup = SearchSetup.build(wl, 3, ctx, Criterion(rho=0.9), fleet=FleetOptions("lora-affinity", "on-demand"),
+                              deployment="every-gpu")
+    p = decode({"gpus": 2, "amax_0": AMAX_MAX}, setup)
+    assert len(p.gpus) == 2 and p.gpus[0].max_loras == min(24, setup.mem_caps[16])
+    out = run_trial({"gpus": 2, "amax_0": 4}, setup, Traffic(None, 120, seed=1))
+    # the instances start warm (every adapter in the CPU cache, as --lora-modules): A_max 4 < 24 adapters swaps
+    assert out["values"][0] == 2.0 and out["metrics"]["adapter_loads_cpu"] > 0 and out["metrics"]["adapter_loads_disk"] == 0
+    with pytest.raises(ScenarioError, match="deployment.*allowed values: placement, every-gpu"):
+        SearchSetup.build(wl, 3, ctx, deployment="everywhere")
+
+
+def test_default_study_names_are_unchanged_and_fleet_ones_say_what_they_replay():
+    assert study_suffix("placement", "static", "static") == ""
+    assert study_suffix("every-gpu", "lora-affinity", "on-demand") == "-every-gpu-lora-affinity-on-demand"
+
+
+def test_merged_front_keeps_the_non_dominated_rows_of_every_study():
+    rows = [{"gpus": 1, "p99_ttft": 90.0, "deployment": "placement"}, {"gpus": 2, "p99_ttft": 95.0, "deployment": "placement"},
+            {"gpus": 2, "p99_ttft": 60.0, "deployment": "every-gpu"}, {"gpus": 3, "p99_ttft": 70.0, "deployment": "every-gpu"}]
+    assert [(r["gpus"], r["deployment"]) for r in merge_fronts(rows, "p99_ttft")] == [(1, "placement"), (2, "every-gpu")]
+
+
+def test_search_cli_across_deployments_and_routers(tmp_path, capsys):
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "o"
+    rc = main(["search", "--workload", str(wfile), "--gpus", "3", "--trials", "3", "--workers", "1", "--out", str(out),
+               "--deployment", "placement", "every-gpu", "--router", "lora-affinity", "--adapters", "on-demand",
+               "--json", "--no-track"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [(s["deployment"], s["router"], s["adapters"]) for s in res["studies"]] == [
+        ("placement", "lora-affinity", "on-demand"), ("every-gpu", "lora-affinity", "on-demand")]
+    assert res["trials"] == 6 and res["front"]
+    assert all(r["router"] == "lora-affinity" and r["deployment"] in ("placement", "every-gpu") for r in res["front"])
+    front = [(r["gpus"], r["p99_ttft"]) for r in res["front"]]
+    assert front == sorted(front) and all(b[1] < a[1] for a, b in zip(front, front[1:]))     # non-dominated
+    for d in ("placement-lora-affinity", "every-gpu-lora-affinity"):
+        assert (out / d / "pareto_front.png").exists() and list((out / d).glob("placement-*gpus-trial*.json"))
+    assert main(["search", "--workload", str(wfile), "--gpus", "3", "--router", "nearest"]) == 2
+    assert "invalid choice: 'nearest'" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+"""``validate --twin-only RUN_DIR``: the twin again on a stored validation run's requests (after a
+recalibration), nothing sent.  With the profile unchanged it reproduces the run's own twin files byte for
+byte (the requests, routing and admission rebuilt from the run's record are the ones validate used)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lora_opt.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a committed validation run of the real CPU vLLM (experiments/real_validation/cpu_loop.py)
+RUN = ROOT / "experiments" / "real_validation" / "cpu" / "validation" / "light-report"
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(RUN, dst)
+    return dst
+
+
+def _twin_only(run: Path, *extra: str) -> int:
+    return cli_main(["validate", str(run / "placement" / "placement.json"), "--workload", str(run / "workload.yaml"),
+                     "--twin-only", str(run / "out"), "--workers", "1", *extra])
+
+
+def test_twin_only_reproduces_the_runs_own_twin(run, capsys):
+    for name in ("twin.json", "comparison.json", "twin_timeseries.csv"):
+        (run / "out" / name).unlink()
+    assert _twin_only(run) == 0
+    assert "SMAPE % per metric" in capsys.readouterr().out
+    for name in ("twin.json", "comparison.json", "twin_timeseries.csv"):
+        assert (run / "out" / name).read_bytes() == (RUN / "out" / name).read_bytes(), name
+    assert (run / "out" / "real.json").read_bytes() == (RUN / "out" / "real.json").read_bytes()   # never changed
+
+
+def test_twin_only_refuses_what_it_cannot_rebuild(run, capsys, tmp_path):
+    assert _twin_only(run, "--seed", "3") == 2
+    assert "--twin-only takes the stored run's requests; drop --seed" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    (empty / "out").mkdir(parents=True)
+    shutil.copytree(run / "placement", empty / "placement")
+    shutil.copy(run / "workload.yaml", empty / "workload.yaml")
+    assert _twin_only(empty) == 2
+    assert "not a stored validation run (missing real.json, timeseries.csv, requests.csv)" in capsys.readouterr().err
+
+
+def test_validate_needs_endpoints_or_a_stored_run(run, capsys):
+    assert cli_main(["validate", str(run / "placement" / "placement.json")]) == 2
+    assert "one of the arguments --endpoints --twin-only is required" in capsys.readouterr().err
