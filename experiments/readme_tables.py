@@ -8,7 +8,7 @@
 
 Rewrites only the blocks between ``<!-- bench:NAME:begin ... -->`` and ``<!-- bench:NAME:end -->``
 in the docs pages that hold them (``PAGES``: the place tables in docs/place.md, the twin's in
-docs/concepts/twin.md, the speed table in README.md; ``lora_opt.benchmarks_readme``); ``--check`` changes nothing and exits 1 when
+docs/concepts/twin.md, the speed table in README.md; ``speed_tables``); ``--check`` changes nothing and exits 1 when
 a page differs from what the JSON gives (``tests/test_bench_place.py`` runs the same check).
 """
 import argparse
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-from lora_opt.benchmarks_place import growth_case
-from lora_opt.benchmarks_readme import render_readme
+from lora_opt.bench.place import growth_case
+from speed_tables import render_readme
 from lora_opt.io import atomic_write_json, atomic_write_text
 
 PLACE_JSON = "experiments/bench/place.json"

@@ -15,7 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from lora_opt import no_network_env, readme_blocks  # noqa: F401  (MLflow telemetry off before mlflow is imported)
+import generated_blocks
+
+from lora_opt import no_network_env  # noqa: F401  (MLflow telemetry off before mlflow is imported)
 from lora_opt.io import atomic_write_text
 from lora_opt.tracking import default_tracking_uri
 
@@ -85,8 +87,8 @@ def section_body(rows: list[dict]) -> str:
 def rewrite(readme_text: str, body: str) -> str:
     """The page with its generated block replaced (or the section created before "## Reliability")."""
     begin_prefix = BEGIN.split(" (", 1)[0]
-    if readme_blocks.count_blocks(readme_text, begin_prefix, END):
-        return readme_blocks.replace_block(readme_text, begin_prefix, END, body)
+    if generated_blocks.count_blocks(readme_text, begin_prefix, END):
+        return generated_blocks.replace_block(readme_text, begin_prefix, END, body)
     marker = "\n" + BEFORE + "\n"
     if marker not in readme_text:
         raise SystemExit(f"results_section.py: the page has no '{BEFORE}' heading to put the Results section before")

@@ -22,8 +22,8 @@ DIRECT_WRITES = re.compile(r"""open\([^)]*["'][wax]b?\+?["']|\.write_text\(|\.wr
 #: direct writes that are not whole outputs: scenario files the emulator benchmark puts in its own
 #: TemporaryDirectory, read back by the server it launches and deleted with the directory; the log a
 #: launched vLLM server streams into while it runs (`probe --launch`), which no rename could make whole
-NOT_OUTPUTS = {("lora_opt/emulate/bench.py", "Path(path).write_text(yaml.safe_dump(scenario))"),
-               ("lora_opt/emulate/bench.py", "Path(path).write_text(yaml.safe_dump(CAPACITY_SCENARIO))"),
+NOT_OUTPUTS = {("lora_opt/bench/emulate.py", "Path(path).write_text(yaml.safe_dump(scenario))"),
+               ("lora_opt/bench/emulate.py", "Path(path).write_text(yaml.safe_dump(CAPACITY_SCENARIO))"),
                ("lora_opt/probe/launch.py", 'log = open(self.log_path, "wb")')}
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lora_opt.benchmarks_place import (CountingContext, bench_workload, growth_case, scaling_rows)
-from lora_opt.benchmarks_readme import block_names, replace_block
+from lora_opt.bench.place import (CountingContext, bench_workload, growth_case, scaling_rows)
+from speed_tables import block_names, replace_block
 from lora_opt.errors import InputError
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.policies.greedy import (EXTRA_TESTING_STEP, MARGIN_GRID, MIN_ADAPTERS_PER_GPU,

@@ -2,7 +2,7 @@
 early-stop time is measured beside the full run in the same process."""
 import numpy as np
 
-from lora_opt.benchmarks import BASE, _run
+from lora_opt.bench.stages import BASE, _run
 from twin.scenario import scenario_dict
 
 

@@ -342,9 +342,11 @@ def _state(sc, requests=None):
 
 
 def _same_requests(a, b):
-    for x, y in zip(a[:4], b[:4]):              # first token, running at first token, finish, dropped
-        assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
-    assert np.array_equal(a[11], b[11])         # steps, preemptions, loads, samples, dropped
+    for name in ("first_token_s", "running_at_first_token", "finish_s", "dropped"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), name
+    for name in ("steps", "preemptions", "loads_cpu", "loads_disk", "n_samples", "n_dropped"):
+        assert getattr(a, name) == getattr(b, name), name
 
 
 @pytest.mark.parametrize("over", [{}, {"profile": "llama-2-7b-h100-64gb", "engine": {"max_num_batched_tokens": 8192}},
@@ -357,6 +359,8 @@ def test_stepping_from_python_equals_run_engine(over):
     sc = scenario_from_dict(small_scenario(**over, duration_s=30))
     whole, _ = _state(sc)
     expected = run_engine(whole, False, True)
+    assert type(expected).__name__ == "KernelRun" and expected._fields[:3] == ("first_token_s", "running_at_first_token",
+                                                                                "finish_s")
     s, _ = _state(sc)
     outcomes = []
     while (o := step(s)) < DONE:

@@ -183,7 +183,7 @@ def test_the_cli_spells_the_fleets_scrape_default():
 def test_bench_fleet_reports_the_ratio_to_independent_engines(tmp_path):
     import json
 
-    from lora_opt.benchmarks_fleet import FLEETS, bench_fleet
+    from lora_opt.bench.fleet import FLEETS, bench_fleet
 
     lines = bench_fleet(sizes=(1, 2), window_s=30.0, out=str(tmp_path / "fleet.json"))
     rows = json.loads((tmp_path / "fleet.json").read_text())["fleet"]

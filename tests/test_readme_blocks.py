@@ -2,7 +2,7 @@
 import pytest
 
 from lora_opt.errors import InputError
-from lora_opt.readme_blocks import count_blocks, replace_block
+from generated_blocks import count_blocks, replace_block
 
 
 def test_a_block_is_found_by_its_begin_prefix_whatever_the_rest_of_the_comment_says():

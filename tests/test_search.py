@@ -149,7 +149,10 @@ def test_resume_after_kill(tmp_path):
     study = optuna.load_study(study_name="k", storage=db)
     states = [t.state for t in study.trials]
     assert kept <= {t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
-    assert not any(s == optuna.trial.TrialState.FAIL for s in states)      # the ones in flight ran again
+    # the ones in flight ran again (a failure says why: this assertion failed once in a full run on a busy
+    # machine, never in isolation)
+    assert not any(s == optuna.trial.TrialState.FAIL for s in states), \
+        [(t.number, t.user_attrs.get("error")) for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert sum(s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for s in states) == 10
 
 

@@ -331,13 +331,13 @@ def test_validate_history_replays_the_log_on_both_sides(placement_dir, tmp_path)
                                              ("0.8.5", False), ("0.20.2", False), ("unreachable", None),
                                              ("HTTP 404", None), ("?", None), (None, None)])
 def test_which_versions_clamp_max_tokens(version, clamps):
-    from lora_opt.validate.admission import clamps_max_tokens
+    from twin.admission import clamps_max_tokens
     assert clamps_max_tokens(version) is clamps
 
 
 def test_admission_rules_of_vllm_0_32_and_0_8_5():
     """max_model_len 512: (prompt, max_tokens) -> vLLM 0.32's answer (measured on the tier) and 0.8.5's."""
-    from lora_opt.validate.admission import admit
+    from twin.admission import admit
     cases = [  # prompt, max_tokens, 0.32: served max_tokens or None (400), 0.8.5: the same
         (100, 50, 50, 50), (300, 212, 212, 212),      # fit exactly
         (300, 300, 212, None),                         # the sum over: clamped / refused

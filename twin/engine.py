@@ -56,8 +56,9 @@ no early stop), appends each request as it arrives with
 ``twin.engine_state.add_request(s, now, in_len, out_len, adapter)`` (arrival order; the
 per-request arrays grow) and calls :func:`step` until it returns ``DONE`` (nothing left to run
 before another request comes in; ``WAITED``: the clock jumped to the next appended arrival).
-``s.t`` is the simulated clock; first-token and finish times are in ``results(s)``.  ``tests/test_engine.py`` drives a state this way and gets
-the offline run's numbers exactly.
+``s.t`` is the simulated clock; first-token and finish times are in ``results(s)`` (a ``KernelRun``,
+fields by name).  ``tests/test_engine.py`` drives a state this way and gets the offline run's numbers
+exactly.
 """
 from __future__ import annotations
 

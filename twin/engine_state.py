@@ -46,7 +46,7 @@ _CONFIG_TYPES = ([types.int64] * 7 + [types.boolean, types.boolean, types.int64,
 Latency = namedtuple("Latency", [
     "base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms", "lora_jump", "lora_slope",
     "lora_nsat", "lora_prefill_share", "sched_base_ms", "sched_per_running_ms", "sched_per_waiting_ms",
-    "lora_prefill_knee", "lora_prefill_share_above"])
+    "lora_prefill_knee", "lora_prefill_share_above", "lora_token_ms", "lora_token_ms_above"])
 """The profile's step-time estimators (ms); see ``twin.engine_cost``."""
 
 EarlyStop = namedtuple("EarlyStop", [
@@ -284,15 +284,27 @@ def add_request(s, arrival, in_len, out_len, adapter):
     return r
 
 
+#: A run's outputs (:func:`results`).  Per request (the state's order, ``n_req`` long): first-token time,
+#: running requests at the first token, finish time (NaN: unfinished), dropped flag.  ITL samples: step
+#: durations and how many tokens each gave, irregular gaps (one token each).  Time series (every
+#: ``timeseries_interval``, ``n_samples`` long): running, waiting, KV blocks used, GPU-resident adapters.
+#: Counters: scheduler steps, preemptions, adapter loads from CPU and from disk, samples, dropped requests.
+#: Areas under running and waiting (request-seconds), the clock at the end (at most the duration), the early
+#: stop's time (-1: none).
+KernelRun = namedtuple("KernelRun", [
+    "first_token_s", "running_at_first_token", "finish_s", "dropped",
+    "step_dur_s", "step_tokens", "irregular_gap_s",
+    "ts_running", "ts_waiting", "ts_kv_blocks", "ts_loaded",
+    "steps", "preemptions", "loads_cpu", "loads_disk", "n_samples", "n_dropped",
+    "running_area", "waiting_area", "t_end", "stopped_at"])
+
+
 @njit(cache=True)
 def results(s):
-    """The run's outputs: (first-token time, running requests at the first token, finish time,
-    dropped flag) per request; ITL step durations and counts, irregular gaps; time series
-    (running, waiting, KV blocks used, GPU-resident adapters); counters (steps, preemptions, CPU
-    loads, disk loads, samples, dropped); (running area, waiting area, end time, stop time)."""
+    """The run's outputs, a :data:`KernelRun`."""
     n = s.n_req
-    counters = np.array([s.step, s.preemptions, s.loads_cpu, s.loads_disk, s.ts_next, s.n_dropped], np.int64)
-    areas = np.array([s.running_area, s.waiting_area, min(s.t, s.cfg.duration), s.stopped_at])
-    return (s.first_t[:n], s.first_running[:n], s.finish_t[:n], s.dropped[:n], s.step_dur[: s.n_steps_rec],
-            s.step_cnt[: s.n_steps_rec], s.irr[: s.n_irr], s.ts_running, s.ts_waiting, s.ts_kv,
-            s.ts_loaded, counters, areas)
+    return KernelRun(s.first_t[:n], s.first_running[:n], s.finish_t[:n], s.dropped[:n], s.step_dur[: s.n_steps_rec],
+                     s.step_cnt[: s.n_steps_rec], s.irr[: s.n_irr], s.ts_running, s.ts_waiting, s.ts_kv, s.ts_loaded,
+                     np.int64(s.step), np.int64(s.preemptions), np.int64(s.loads_cpu), np.int64(s.loads_disk),
+                     np.int64(s.ts_next), np.int64(s.n_dropped), np.float64(s.running_area),
+                     np.float64(s.waiting_area), np.float64(min(s.t, s.cfg.duration)), np.float64(s.stopped_at))

@@ -116,23 +116,26 @@ def lora_extra(jump, slope, n_sat, n_distinct):
 
 
 def lora_prefill_share(share, share_above, knee_tokens, n_tokens):
-    """The share of the LoRA extra a step's prefill tokens pay (``twin.engine_cost.step_seconds``):
-    ``share`` in a step of up to ``knee_tokens`` tokens, ``share_above`` in a larger one.  vLLM's CPU
-    build gathers one copy of the adapter's matrices per token; where that stops fitting in the cache
-    the cost per token steps up (measured: ``experiments/real_validation/cpu_launch_check.py``).  The one
+    """A LoRA cost that steps up at the knee (``twin.engine_cost.step_seconds``): ``share`` in a step of
+    up to ``knee_tokens`` tokens, ``share_above`` in a larger one -- the share of the LoRA extra a step's
+    prefill tokens pay, and the LoRA ms per token (``LoraOverheadSpec.token_ms``).  vLLM's CPU build
+    gathers one copy of the adapter's matrices per token; where that stops fitting in the cache the cost
+    per token steps up (measured: ``experiments/real_validation/cpu_launch_check.py``).  The one
     definition: the profile's estimator and the engine kernel (compiled with Numba) call it."""
     return share if n_tokens <= knee_tokens else share_above
 
 
 @dataclass(frozen=True)
 class LoraOverheadSpec:
-    """Relative cost of LoRA kernels on the forward pass.
+    """Cost of LoRA kernels on the forward pass: a factor on the step (the papers' form, a GPU's) and a
+    cost per token (vLLM's CPU build's).
 
     ``extra(n, A) = jump * (1 - slot_share + slot_share * A / ref_max_loras)
     + slope * n / (1 + n / n_sat)`` for n >= 1 distinct adapters in the batch and A = max_loras
     slots (0 for n = 0).  The per-sequence (decode) part of a step is multiplied by ``1 + extra``,
     prefill tokens by ``1 + prefill_share * extra`` (``prefill_share_above`` in a step of more than
-    ``prefill_knee_tokens`` tokens).  ``n_sat = inf`` is the papers' linear model.
+    ``prefill_knee_tokens`` tokens).  ``n_sat = inf`` is the papers' linear model.  A step with an
+    adapter also pays ``token_ms`` per token it carries (``token_ms_above`` above the knee).
     """
 
     jump: float
@@ -151,10 +154,25 @@ class LoraOverheadSpec:
     1 = the papers' model, the whole step is multiplied."""
     prefill_knee_tokens: float = math.inf
     """Tokens in a step above which its prefill tokens pay ``prefill_share_above`` instead of
-    ``prefill_share`` (vLLM's CPU build: about 8,192 / ``max_lora_rank`` on a 32 MiB L3, where the
+    ``prefill_share``, and every token ``token_ms_above`` instead of ``token_ms`` (vLLM's CPU build: about 8,192 / ``max_lora_rank`` on a 32 MiB L3, where the
     per-token adapter gather leaves the cache); inf = one share (every GPU profile)."""
     prefill_share_above: float | None = None
     """``prefill_share`` in a step above ``prefill_knee_tokens`` tokens (None = ``prefill_share``)."""
+    token_ms: float = 0.0
+    """LoRA ms per token of a step (decode or prefill), added to a step that runs an adapter, whatever
+    its size: vLLM's CPU build gathers one copy of the adapter's matrices per token, so its LoRA cost
+    grows with the step's tokens and the rank, and a factor on the step (``jump``) prices a small batch
+    several times too high (measured: issue 24, ``experiments/real_validation/cpu/REPORT.md``).  0 =
+    the factor form only (every GPU profile)."""
+    token_ms_above: float | None = None
+    """``token_ms`` in a step above ``prefill_knee_tokens`` tokens (None = ``token_ms``)."""
+
+    @property
+    def token_above(self) -> float:
+        return self.token_ms if self.token_ms_above is None else self.token_ms_above
+
+    def token_ms_at(self, n_tokens: int) -> float:
+        return lora_prefill_share(self.token_ms, self.token_above, self.prefill_knee_tokens, n_tokens)
 
     @property
     def share_above(self) -> float:
@@ -213,7 +231,8 @@ class LatencySpec:
         extra = lora.extra(n_adapters, max_loras)
         decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0
         prefill = self.per_token_ms * (n_tokens - n_seqs)
-        return decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share_at(n_tokens) * extra)
+        model = decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share_at(n_tokens) * extra)
+        return model + lora.token_ms_at(n_tokens) * n_tokens if n_adapters > 0 else model
 
     def scheduler_ms(self, n_running: int, n_scanned: int) -> float:
         return self.sched_base_ms + self.sched_per_running_ms * n_running + self.sched_per_waiting_ms * n_scanned
@@ -383,13 +402,14 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
     )
 
 
-_KNEE_DEFAULTS = {"prefill_knee_tokens": math.inf, "prefill_share_above": None}
+_KNEE_DEFAULTS = {"prefill_knee_tokens": math.inf, "prefill_share_above": None, "token_ms": 0.0, "token_ms_above": None}
 
 
 def profile_to_dict(p: Profile) -> dict:
     out = dataclasses.asdict(p)
     out.pop("source", None)
-    # the knee's fields at their defaults are left out: profiles without a knee read and write as before
+    # the knee's and the per-token cost's fields at their defaults are left out: profiles without them
+    # read and write as before
     out["latency"]["lora"] = {int(r): {k: v for k, v in dataclasses.asdict(e).items()
                                        if not (k in _KNEE_DEFAULTS and v == _KNEE_DEFAULTS[k])}
                               for r, e in p.latency.lora.items()}

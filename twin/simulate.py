@@ -18,7 +18,7 @@ import numpy as np
 from twin.adapter_cache import POLICIES
 from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
 from twin.errors import ScenarioError
-from twin.engine_state import Config, EarlyStop, EngineState, Latency, make_state
+from twin.engine_state import Config, EarlyStop, EngineState, KernelRun, Latency, make_state
 from twin.profile import Profile
 from twin.scenario import Scenario
 from twin.weighted_sort import sorted_pairs
@@ -145,7 +145,7 @@ def kernel_latency(lat, max_lora_rank: int, max_loras: int) -> Latency:
     return Latency(
         lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(max_loras),
         lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
-        lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above)
+        lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above, lora.token_ms, lora.token_above)
 
 
 def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
@@ -155,12 +155,12 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
     sequence slots (>= out_len: one prefill chunk, out_len - 1 decodes) and its other tokens at
     the cheaper of the per-slot and per-token prices; the context its decodes read (the k-th decode
     reads in_len + k - 1 tokens); and its share of the fixed cost of steps that carry at most
-    max_num_batched_tokens tokens.  Adapter loads, scheduler terms per request and preemptions
-    only add."""
+    max_num_batched_tokens tokens; and the per-token LoRA cost of every token it puts in a step.
+    Adapter loads, scheduler terms per request and preemptions only add."""
     lora = lat.lora_for_rank(eng["max_lora_rank"])
     coefs = (lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lat.sched_base_ms,
              lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share,
-             lora.share_above)
+             lora.share_above, lora.token_ms, lora.token_above)
     if min(coefs) < 0 or not (0.0 <= lora.slot_share <= 1.0):
         return None
     e = lora.extra(1, eng["max_loras"])
@@ -174,6 +174,8 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
     ms = (slot * o + tok * (i - 1.0)) if slot >= tok else slot * processed
     ms = ms + (1.0 + e) * lat.per_ctx_ktoken_ms / 1000.0 * (dec * i + dec * (dec - 1.0) / 2.0)
     ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms) * processed / eng["max_num_batched_tokens"]
+    # every token it puts in a step pays the per-token LoRA cost (the cheaper side of the knee)
+    ms = ms + min(lora.token_ms, lora.token_above) * processed
     return ms / 1000.0
 
 
@@ -358,19 +360,17 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     return run_result(sc, profile, eng, req, out, kv_tokens, timeseries=timeseries, t_wall=t_wall)
 
 
-def run_result(sc: Scenario, profile: Profile, eng: dict, req: Requests, out: tuple, kv_tokens: int, *,
+def run_result(sc: Scenario, profile: Profile, eng: dict, req: Requests, out: KernelRun, kv_tokens: int, *,
                timeseries: bool = False, t_wall: float | None = None) -> Result:
-    """The :class:`Result` of a kernel run: ``out`` = ``twin.engine_state.results`` of a state that
+    """The :class:`Result` of a kernel run: ``out`` (``twin.engine_state.results``) of a state that
     held the requests ``req`` (in its order) -- ``simulate``'s engine, or one engine of a fleet
     (``twin.fleet``) whose requests were appended as its router sent them."""
     T = sc.duration_s
     lat = profile.latency
     block = profile.memory.block_size
     incoming = int((req.in_len + req.out_len).sum()) / T
-    (first_t, first_running, finish_t, _dropped, step_dur, step_cnt, irr, ts_run, ts_wait, ts_kv,
-     ts_loaded, counters, areas) = out
-    steps, preemptions, loads_cpu, loads_disk, n_ts, n_dropped = (int(x) for x in counters)
-    running_area, waiting_area, _t_end, stopped_at = (float(x) for x in areas)
+    first_t, first_running, finish_t = out.first_token_s, out.running_at_first_token, out.finish_s
+    n_ts, stopped_at = int(out.n_samples), float(out.stopped_at)
 
     done = finish_t <= T                         # NaN compares False
     in_done = int(req.in_len[done].sum())
@@ -382,23 +382,24 @@ def run_result(sc: Scenario, profile: Profile, eng: dict, req: Requests, out: tu
             + lat.ttft_frontend_per_running_ms * first_running[done])
     multi = done & (req.out_len > 1)
     tpot = (finish_t[multi] - first_t[multi]) / (req.out_len[multi] - 1) * 1000.0
-    itl_values = np.concatenate([step_dur, irr]) * 1000.0
-    itl_counts = np.concatenate([step_cnt, np.ones(irr.shape[0], np.int64)])
+    itl_values = np.concatenate([out.step_dur_s, out.irregular_gap_s]) * 1000.0
+    itl_counts = np.concatenate([out.step_tokens, np.ones(out.irregular_gap_s.shape[0], np.int64)])
     stopped = stopped_at if stopped_at >= 0 else None
     ts = None
     if timeseries:
-        ts = {"time_s": np.arange(n_ts) * sc.timeseries_interval_s, "running": ts_run[:n_ts],
-              "waiting": ts_wait[:n_ts], "kv_usage": ts_kv[:n_ts] / max(1, kv_tokens // block),
-              "loaded_adapters": ts_loaded[:n_ts]}
+        ts = {"time_s": np.arange(n_ts) * sc.timeseries_interval_s, "running": out.ts_running[:n_ts],
+              "waiting": out.ts_waiting[:n_ts], "kv_usage": out.ts_kv_blocks[:n_ts] / max(1, kv_tokens // block),
+              "loaded_adapters": out.ts_loaded[:n_ts]}
     return Result(
         status="ok", duration_s=T, completed=int(done.sum()), total_input_tokens=in_done,
         total_output_tokens=out_done, throughput_tok_s=throughput, input_throughput=thr_in,
         output_throughput=thr_out, incoming_token_rate=incoming,
         starving=bool(throughput < sc.rho * incoming), ttft_ms=_stats(ttft),
         itl_ms=weighted_stats(itl_values, itl_counts), tpot_ms=_stats(tpot),
-        running_mean=running_area / T, waiting_mean=waiting_area / T, preemptions=preemptions,
-        adapter_loads_cpu=loads_cpu, adapter_loads_disk=loads_disk, kv_cache_tokens=int(kv_tokens),
-        stopped_early_s=stopped, steps=steps, arrived=len(req), dropped=n_dropped,
+        running_mean=float(out.running_area) / T, waiting_mean=float(out.waiting_area) / T,
+        preemptions=int(out.preemptions), adapter_loads_cpu=int(out.loads_cpu), adapter_loads_disk=int(out.loads_disk),
+        kv_cache_tokens=int(kv_tokens), stopped_early_s=stopped, steps=int(out.steps), arrived=len(req),
+        dropped=int(out.n_dropped),
         wall_s=time.perf_counter() - t_wall if t_wall is not None else 0.0, engine=eng, timeseries=ts,
         samples={"ttft_ms": ttft, "itl_ms": itl_values, "itl_count": itl_counts,
                  "arrival_s": req.arrival, "tokens": (req.in_len + req.out_len).astype(np.int64), "done": done})

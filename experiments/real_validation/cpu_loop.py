@@ -18,6 +18,8 @@ Stages (each a lora-opt command as a user runs it, logged to MLflow by that comm
   workloads' halves differ: ``fit`` runs feed the recalibration, ``report`` runs are held apart;
 * ``maxpack``: the papers' claim measured: served adapters swept on the real server, the real Max_pack vs the
   twin's pick (:mod:`cpu_maxpack`);
+* ``reprobe``: the probe again after the measurements (``OUT/probe-after``, its own profile beside it): the
+  report's drift table says how far the server's costs moved during the sitting;
 * ``retwin`` (only when asked: ``--stages calibrate retwin recalibrate report`` after a new probe): the stored
   validation and Max_pack runs compared again with the profile as it is now (``lora-opt validate --twin-only``:
   the same requests, nothing sent), the twin's Max_pack pick made again on the measured sweep;
@@ -103,10 +105,21 @@ def probe_command(tier: dict) -> str:
             "--no-enable-prefix-caching --enable-lora --max-loras 2 --max-lora-rank 32 --max-cpu-loras 4")
 
 
-def stage_probe(tier: dict, out: Path) -> int:
+def stage_probe(tier: dict, out: Path, name: str = "probe") -> int:
     return lora_opt("probe", "--launch", probe_command(tier), "--plan", "quick", "--ranks", "8", "16", "32",
                     "--model", MODEL_ENTRY, "--adapter-path", str(tier_dir() / "probe-adapters" / "r{rank}-a"),
-                    "--health-timeout", "420", "--out", str(out / "probe"), log=out / "logs" / "probe.txt")
+                    "--health-timeout", "420", "--out", str(out / name), log=out / "logs" / f"{name}.txt")
+
+
+def stage_reprobe(tier: dict, out: Path) -> int:
+    """The same probe again once validate and maxpack have run (``OUT/probe-after``) and a profile fitted on
+    it alone (``OUT/probe-after/profile.yaml``, not the loop's profile): how far the server's own costs
+    moved during the sitting, which no model of vLLM can predict (the report's drift table)."""
+    rc = stage_probe(tier, out, "probe-after")
+    if rc:
+        return rc
+    return lora_opt("calibrate", "--runs", rel(out / "probe-after" / "rows.csv"), "--model", MODEL_ENTRY,
+                    "--out", rel(out / "probe-after" / "profile.yaml"), log=out / "logs" / "calibrate-after.txt")
 
 
 def rel(path: Path) -> str:
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # retwin: the stored validation and Max_pack runs compared again with the profile as it is now (no
     # server); not in the default sequence, whose validate and maxpack stages measure afresh
-    stages = ["probe", "calibrate", "validate", "maxpack", "retwin", "recalibrate", "report"]
+    stages = ["probe", "calibrate", "validate", "maxpack", "reprobe", "retwin", "recalibrate", "report"]
     ap.add_argument("--stages", nargs="+", default=[s for s in stages if s != "retwin"], choices=stages)
     ap.add_argument("--workloads", nargs="+", help="validate: only these workloads (default all)")
     ap.add_argument("--duration", type=float, default=150.0, help="validate: replayed seconds per run (default 150)")
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             rcs[stage] = stage_validate(tier, out, a.duration, a.workloads)
         elif stage == "maxpack":
             rcs[stage] = stage_maxpack(tier, out, a.duration)
+        elif stage == "reprobe":
+            rcs[stage] = stage_reprobe(tier, out)
         elif stage == "retwin":
             rcs[stage] = stage_retwin(out) | stage_repick(out)
         elif stage == "recalibrate":

@@ -13,6 +13,9 @@ from pathlib import Path
 from lora_opt.io import atomic_write_text
 from lora_opt.smape import smape
 
+#: the loop's profile (``cpu_loop.PROFILE_PATH``; this script's repository, whatever ``OUT`` is)
+PROFILE_PATH = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "probe-llama-cpu-vllm032.yaml"
+
 METRICS = (("throughput_tok_s", "throughput", 5.0), ("itl_mean_ms", "mean ITL", 10.0),
            ("ttft_mean_ms", "mean TTFT", 25.0), ("running_mean", "running mean", 10.0),
            ("itl_p99_ms", "p99 ITL", None), ("ttft_p99_ms", "p99 TTFT", None), ("waiting_mean", "waiting mean", None),
@@ -58,6 +61,33 @@ def lateness(out: Path, runs: dict) -> list[str]:
     return lines
 
 
+#: step-cost coefficients the drift table compares (profile latency keys) and, per rank, the LoRA ones
+DRIFT_KEYS = ("base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms")
+DRIFT_LORA_KEYS = ("jump", "prefill_share", "token_ms", "token_ms_above")
+
+
+def drift(out: Path, profile: Path) -> tuple[list[str], dict]:
+    """The loop's profile (probe before the measurements) against ``OUT/probe-after/profile.yaml`` (the same
+    probe after them): each coefficient before / after / change, and the largest change."""
+    import yaml
+    after_path = out / "probe-after" / "profile.yaml"
+    if not (after_path.exists() and profile.exists()):
+        return [], {}
+    before, after = (yaml.safe_load(p.read_text())["latency"] for p in (profile, after_path))
+    rows = [(k, before.get(k), after.get(k)) for k in DRIFT_KEYS]
+    for rank in sorted(set(before.get("lora") or {}) & set(after.get("lora") or {}), key=int):
+        rows += [(f"LoRA r{rank} {k}", before["lora"][rank].get(k), after["lora"][rank].get(k)) for k in DRIFT_LORA_KEYS]
+    lines = ["| coefficient | before | after | change |", "|---|---|---|---|"]
+    changes = {}
+    for name, b, a in rows:
+        if not b or a is None:          # unset, or 0 in this LoRA form (jump and prefill_share per token)
+            continue
+        change = (a - b) / b * 100
+        changes[name] = change
+        lines.append(f"| {name} | {b:.4g} | {a:.4g} | {change:+.1f} % |")
+    return lines, changes
+
+
 def write_report(out: Path) -> dict:
     runs = json.loads((out / "validation.json").read_text()) if (out / "validation.json").exists() else {}
     lines = ["# The loop on a real vLLM: CPU build of vLLM 0.32, probe-size model (issue 24)", "",
@@ -75,6 +105,14 @@ def write_report(out: Path) -> dict:
         if half == "report":
             lines += targets(overall) + [""]
     lines += ["## Client lateness", "", *lateness(out, runs), ""]
+    table, changes = drift(out, PROFILE_PATH)
+    if table:
+        summary["drift_pct"] = changes
+        lines += ["## The server's own drift during the sitting", "",
+                  ("The same probe (`--plan quick`) before the measurements (the loop's profile) and after them "
+                   "(`probe-after/`, `cpu_loop.py --stages reprobe`), each fitted alone: a coefficient that moved is "
+                   "the machine's, not the twin's, and bounds what any model fitted on one probe can reach here."),
+                  "", *table, ""]
     mp = out / "maxpack.json"
     if mp.exists():
         m = json.loads(mp.read_text())
@@ -117,7 +155,7 @@ def write_report(out: Path) -> dict:
         for tag in ("before", "after"):
             lines.append(f"| {tag} | " + " | ".join(f"{summary['recalibrate'][tag][k]:.1f} %" for k in keys) + " |")
         import yaml
-        e2e = ((yaml.safe_load((out.parents[2] / "configs" / "profiles" / "probe-llama-cpu-vllm032.yaml").read_text())
+        e2e = ((yaml.safe_load(PROFILE_PATH.read_text())
                 .get("fit") or {}).get("e2e") or {})
         if e2e:
             lines += ["", f"Fitted on the fit half: {e2e.get('params')} (fit-half loss {e2e.get('fit_half_loss', 0):.1f} %)."]

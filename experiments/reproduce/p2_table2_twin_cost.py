@@ -1,5 +1,5 @@
 """Second paper, Table 2 (first paper, Table 1 right): the twin's cost per simulated hour (wall time on
-one core, memory) -- ours measured here with ``lora-opt bench twin`` (``lora_opt.benchmarks.bench_twin``:
+one core, memory) -- ours measured here with ``lora-opt bench twin`` (``lora_opt.bench.stages.bench_twin``:
 six one-hour scenarios, each in a fresh process, best of ``repeats`` after a warm run), beside the
 published twin's 38.9 +- 5.6 s (Llama) / 41.4 s (Qwen) per simulated hour and ~200 MB.
 """
@@ -10,7 +10,7 @@ import json
 import numpy as np
 
 from . import Context, Row, md_table, pyplot, save_figure
-from lora_opt.benchmarks import bench_twin
+from lora_opt.bench.stages import bench_twin
 
 NAME = "p2_table2_twin_cost"
 TITLE = "Second paper Table 2: twin cost per simulated hour (ours measured here vs theirs)"

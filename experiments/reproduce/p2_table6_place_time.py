@@ -1,6 +1,6 @@
 """Second paper, Table 6: placement time -- Proposed (full RF surrogate) 1.59-1.79 s and ProposedFast
 (distilled tree) 4 ms for 1,280 adapters on 4 GPUs; ours measured here on ``lora-opt bench place``'s
-cases (``lora_opt.benchmarks_place.case_rows`` on ``PLACE_CASES``: CPU seconds of the algorithm alone
+cases (``lora_opt.bench.place.case_rows`` on ``PLACE_CASES``: CPU seconds of the algorithm alone
 and of the whole ``place``, best of ``repeats`` after a warm call); the full run adds 100,000 adapters
 on 1,000 GPUs, the quick run keeps the 1,280-adapter cases (``lora-opt bench place`` runs them all).
 Each 1,280-adapter placement is also replayed in the twin (one hour of the workload's traffic), so
@@ -9,7 +9,7 @@ the row says what the fast answers are worth, not only how fast they come.
 from __future__ import annotations
 
 from . import Context, Row, md_table, pyplot, save_figure
-from lora_opt.benchmarks_place import PLACE_CASES, SCALING_RATES, bench_workload, case_label, case_rows
+from lora_opt.bench.place import PLACE_CASES, SCALING_RATES, bench_workload, case_label, case_rows
 from lora_opt.io import atomic_write_json
 from lora_opt.placement.evaluate import evaluate_placement
 from lora_opt.placement.policies import PlacementContext, get_policy

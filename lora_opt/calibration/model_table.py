@@ -24,6 +24,8 @@ from twin.profile import LORA_SET_RULES, EngineDefaults, ModelSpec
 ENGINE_GENERATIONS = ("v0", "v1")
 #: what a profile's estimators are fitted on (``ModelEntry.fitted_from``)
 FITTED_FROM = ("real_runs", "probe")
+#: how LoRA's cost enters a step (``ModelEntry.lora_cost``)
+LORA_COSTS = ("factor", "per_token")
 #: the end-to-end constants ``lora-opt calibrate-e2e`` can fit (``ModelEntry.e2e_fit``)
 E2E_FITTED = ("slot_share", "prefill_share", "frontend")
 
@@ -97,6 +99,12 @@ class ModelEntry:
     e2e_fit: tuple[str, ...] = ("slot_share", "prefill_share", "frontend")
     """What ``lora-opt calibrate-e2e`` fits on the fit half (of :data:`E2E_FITTED`); the others keep the
     profile's values (e.g. LoRA shares a probe measured per rank)."""
+    lora_cost: str = "factor"
+    """How a probe fit prices LoRA (of :data:`LORA_COSTS`): ``factor`` (the papers' form, a GPU's: a step
+    with adapters costs ``1 + jump`` times its decode part, prefill tokens ``1 + prefill_share * jump``) or
+    ``per_token`` (vLLM's CPU build: every token of a step with an adapter pays ``token_ms`` of its rank,
+    stepping up at a knee in tokens x rank; ``jump`` and ``prefill_share`` 0): the per-token adapter
+    gather makes a small batch's LoRA cost small, which a factor fitted at 16 sequences prices ~4x high."""
     cpu_to_gpu_ms_from: CpuToGpuSource | None = None
     """Where the CPU->GPU load table comes from when the runs log no usable activation time."""
     notes: tuple[str, ...] = ()
@@ -158,6 +166,8 @@ def _model(key: str, raw: Any, gpus: dict[str, GpuEntry], where: str) -> ModelEn
     d["notes"] = tuple(str(n) for n in d.get("notes") or ())
     if d.get("fitted_from", "real_runs") not in FITTED_FROM:
         raise InputError(f"{where}.fitted_from: {d['fitted_from']!r}; allowed: {list(FITTED_FROM)}")
+    if d.get("lora_cost", "factor") not in LORA_COSTS:
+        raise InputError(f"{where}.lora_cost: {d['lora_cost']!r}; allowed: {list(LORA_COSTS)}")
     if "e2e_fit" in d:
         fitted = d["e2e_fit"]
         if not isinstance(fitted, list) or not set(fitted) <= set(E2E_FITTED):

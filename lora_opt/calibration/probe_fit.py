@@ -15,6 +15,9 @@ are direct:
   (``slope_test``), not refused;
 * LoRA on prefill, per rank: ``prefill_share`` from lone prompts through an adapter (family
   ``ttft_lora``; :func:`fit_lora_prefill`);
+* or, for a model entry with ``lora_cost: per_token`` (vLLM's CPU build), LoRA per token instead of the two
+  above: ``token_ms`` per rank from the decode windows and the lone prompts together, one knee in tokens x
+  rank when an F-test demands it (:func:`fit_lora_per_token`; ``jump`` and ``prefill_share`` 0);
 * loading, per adapter rank: CPU->GPU = the CPU-resident burst's load per adapter; disk->CPU = the
   disk-only burst's per adapter minus CPU->GPU;
 * KV tokens per (max_loras, rank): not fitted here, compared with the profile's memory model.
@@ -154,7 +157,11 @@ def check_fitted_costs(fits: dict[str, FitResult | None], runs: pd.DataFrame, so
     need("prefill per_token_ms", pre,
          pre * np.max(num(pre_rows["probe_prompt_tokens"])) / np.max(num(pre_rows["probe_ttft_ms"])), "prefill")
     lora_rows = _ok(runs, "lora")
+    per_token = fits["lora"].extra.get("form") == "per_token"
     for rank, p in fits["lora"].params.items():
+        if per_token:
+            need(f"lora r{rank} token_ms", p["token_ms"], p["token_ms"], "lora", rank=rank)
+            continue
         d_max = float(np.max(num(lora_rows["probe_distinct_adapters"])[num(lora_rows["max_lora_rank"]) == rank]))
         need(f"lora r{rank} jump", p["jump"], p["jump"], "lora", rank=rank)
         if fits["lora"].extra[f"rank_{rank}"]["slope_test"]["fitted"]:
@@ -401,14 +408,67 @@ def kv_check(runs: pd.DataFrame, profile: Profile) -> dict:
     return out
 
 
-def fit_probe(runs: pd.DataFrame, source: str = "ROWS") -> dict[str, FitResult | None]:
-    """Every estimator's fit; ScenarioError when a row or a fitted cost is not positive."""
+def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult) -> FitResult:
+    """``token_ms`` per rank (``lora_cost: per_token``): a step with an adapter costs its LoRA-off time plus
+    ``token_ms`` per token it carries.  Points: the LoRA decode windows (B tokens a step: ``step - decode(B,
+    ctx)``) and the lone prompts through an adapter (P tokens in its prefill step: ``TTFT - c - known(P) -
+    per_token*(P - chunks)``); one knee in tokens x rank for all ranks as :func:`_knee` finds it (the gather
+    leaving the cache), else one ``token_ms`` per rank.  Params per rank: the LoRA entry's fields."""
+    d, c, per_token = decode.params, max(prefill.extra["ttft_constant_ms"], 0.0), prefill.params["per_token_ms"]
+    win, lone = _ok(runs, "lora"), _ok(runs, "ttft_lora")
+    b, y_w, r_w = num(win["probe_batch"]), num(win["probe_step_ms"]), num(win["max_lora_rank"])
+    base = d["base_ms"] + d["per_seq_ms"] * b + d["per_ctx_ktoken_ms"] * num(win["probe_ctx_ktokens_mean"])
+    p, y_p, r_p = num(lone["probe_prompt_tokens"]), num(lone["probe_ttft_ms"]), num(lone["max_lora_rank"])
+    budget = np.nan_to_num(num(lone["max_num_batched_tokens"]), nan=2048.0).astype(int)
+    points: dict[int, _RankPoints] = {}
+    for rank in sorted(set(r_w[np.isfinite(r_w)].astype(int)) | set(r_p[np.isfinite(r_p)].astype(int))):
+        sw, sp = r_w == rank, r_p == rank
+        known = np.array([_prefill_known(d, int(pi), int(bi)) for pi, bi in zip(p[sp], budget[sp])]).reshape(-1, 2)
+        # the knee is in a step's tokens (a prompt beyond the budget is several steps); every token pays
+        points[rank] = _RankPoints(product=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]) * float(rank),
+                                   a=np.concatenate([b[sw], p[sp]]),
+                                   b=np.concatenate([y_w[sw] - base[sw], y_p[sp] - c - known[:, 0]
+                                                     - per_token * (p[sp] - known[:, 1])]),
+                                   y=np.concatenate([y_w[sw], y_p[sp]]))
+    if not points:
+        raise ScenarioError("calibrate: lora_cost per_token needs ok LoRA decode windows or lone prompts through an "
+                            f"adapter ({family_status(runs, 'lora')}; {family_status(runs, 'ttft_lora')})")
+    knee = _knee(points)
+    loras = num(win["max_loras"])
+    params: dict[int, dict] = {}
+    extra: dict[str, Any] = {"knee": None if knee is None else {k: v for k, v in knee.items() if k not in ("sse", "shares")}}
+    for rank, q in points.items():
+        entry = {"jump": 0.0, "slope": 0.0, "n_sat": math.inf, "prefill_share": 0.0,
+                 "ref_max_loras": float(np.median(loras[r_w == rank])) if np.any(r_w == rank) else 1.0}
+        if knee is None or knee["shares"][rank][0] == knee["shares"][rank][1]:
+            entry["token_ms"] = _share(q.a, q.b, q.y)[0]
+            pred = q.y - q.b + q.a * entry["token_ms"]
+        else:
+            lo, hi = knee["shares"][rank]
+            entry.update(token_ms=lo, prefill_knee_tokens=knee["knee_product"] / rank, token_ms_above=hi)
+            pred = q.y - q.b + q.a * np.where(q.product <= knee["knee_product"], lo, hi)
+        params[rank] = entry
+        extra[f"rank_{rank}"] = {"n_points": len(q.y), "r2": r2_score(q.y, pred),
+                                 "max_abs_rel_error": float(np.max(np.abs(pred / q.y - 1)))}
+    return FitResult(params=params, families=[PROBE_PREFIX + "lora", PROBE_PREFIX + "ttft_lora"], n=len(y_w) + len(y_p),
+                     extra={**extra, "form": "per_token",
+                            "target": "LoRA ms per token of a step: decode windows and lone prompts through an adapter"})
+
+
+def fit_probe(runs: pd.DataFrame, source: str = "ROWS", lora_cost: str = "factor") -> dict[str, FitResult | None]:
+    """Every estimator's fit (LoRA in the ``lora_cost`` form: ``ModelEntry.lora_cost``); ScenarioError when
+    a row or a fitted cost is not positive."""
     check_row_costs(runs, source)
     try:
         decode = fit_decode(runs)
-        prefill, lora = fit_prefill(runs, decode), fit_lora(runs, decode)
-        fits = {"decode": decode, "prefill": prefill, "lora": lora, "loading": fit_loading(runs),
-                "lora_prefill_share": fit_lora_prefill(runs, decode, prefill, lora)}
+        prefill = fit_prefill(runs, decode)
+        if lora_cost == "per_token":
+            fits = {"decode": decode, "prefill": prefill, "lora": fit_lora_per_token(runs, decode, prefill),
+                    "loading": fit_loading(runs), "lora_prefill_share": None}
+        else:
+            lora = fit_lora(runs, decode)
+            fits = {"decode": decode, "prefill": prefill, "lora": lora, "loading": fit_loading(runs),
+                    "lora_prefill_share": fit_lora_prefill(runs, decode, prefill, lora)}
     except np.linalg.LinAlgError as exc:    # degenerate rows (e.g. all at one point) the checks above let by
         raise ScenarioError(f"calibrate --runs {source}: the probe rows do not determine a fit ({exc}); rerun "
                             "lora-opt probe with more batch sizes and prompt lengths") from None
@@ -417,7 +477,10 @@ def fit_probe(runs: pd.DataFrame, source: str = "ROWS") -> dict[str, FitResult |
 
 
 def _lora_entry(base: Profile, rank: int, p: dict, prefill: dict | None) -> dict:
-    """A rank's LoRA entry: the fitted factor, the prefill fields fitted (``fit_lora_prefill``) or kept."""
+    """A rank's LoRA entry: the fitted factor, the prefill fields fitted (``fit_lora_prefill``) or kept; a
+    per-token fit's entry as fitted (``fit_lora_per_token``)."""
+    if "token_ms" in p:
+        return {k: sig(v) for k, v in p.items()} | {"slot_share": 0.0}
     keep = base.latency.lora_for_rank(rank)
     return {"jump": sig(p["jump"]), "slope": sig(p["slope"]), "n_sat": sig(p["n_sat"]),
             "ref_max_loras": sig(p["ref_max_loras"]), "slot_share": keep.slot_share,
@@ -472,7 +535,7 @@ def calibrate_probe(runs_csv: str | Path, base_profile: str, out: str | Path) ->
     runs = runs[runs["experiment"].str.startswith(PROBE_PREFIX)]
     base, kept = probe_base(base_profile)
     from_entry = base_profile in MODELS         # probe_base built it from the entry: nothing measured kept
-    fits = fit_probe(runs, str(runs_csv))
+    fits = fit_probe(runs, str(runs_csv), MODELS[base_profile].lora_cost if from_entry else "factor")
     prof = profile_to_dict(base)
     lat = prof["latency"]
     for k in ("base_ms", "per_seq_ms", "per_ctx_ktoken_ms"):

@@ -1,6 +1,6 @@
 """``lora-opt bench``: benchmarks (speed and memory), reported as numbers, not tests.
 
-The benchmarks themselves live in ``lora_opt.benchmarks``; this module maps each name to the call
+The benchmarks themselves live in ``lora_opt.bench``; this module maps each name to the call
 with the flags it takes.
 """
 from __future__ import annotations
@@ -13,38 +13,38 @@ from lora_opt.cli.conventions import finite_float, int_range
 # imports inside each runner: only the command that runs pays for them (start-up time); each
 # benchmark returns its report's lines, printed here
 def _twin(args: argparse.Namespace) -> list[str]:
-    from lora_opt.benchmarks import bench_twin
+    from lora_opt.bench.stages import bench_twin
     return bench_twin(out=args.out, repeats=args.repeats)
 
 
 def _dataset(args: argparse.Namespace) -> list[str]:
-    from lora_opt.benchmarks import bench_dataset
+    from lora_opt.bench.stages import bench_dataset
     return bench_dataset(grid=args.grid, sample=args.sample)
 
 
 def _place(args: argparse.Namespace) -> list[str]:
-    from lora_opt.benchmarks import bench_place
+    from lora_opt.bench.stages import bench_place
     return bench_place(out=args.out, repeats=args.repeats)
 
 
 def _search(args: argparse.Namespace) -> list[str]:
-    from lora_opt.benchmarks import bench_search
-    from lora_opt.search.bench import bench_backends  # both backends side by side (JSON: <out stem>.backends.json)
+    from lora_opt.bench.stages import bench_search
+    from lora_opt.bench.search_backends import bench_backends  # both backends side by side (JSON: <out stem>.backends.json)
     return bench_search(out=args.out) + bench_backends(out=args.out and args.out.rsplit(".", 1)[0] + ".backends.json")
 
 
 def _ray(args: argparse.Namespace) -> list[str]:
-    from lora_opt.benchmarks import bench_ray
+    from lora_opt.bench.stages import bench_ray
     return bench_ray(out=args.out, repeats=args.repeats)
 
 
 def _emulate(args: argparse.Namespace) -> list[str]:
-    from lora_opt.emulate.bench import bench_emulate
+    from lora_opt.bench.emulate import bench_emulate
     return bench_emulate(out=args.out, concurrency=args.concurrency, duration_s=args.duration, pin=args.pin)
 
 
 def _fleet(args: argparse.Namespace) -> list[str]:
-    from lora_opt.benchmarks_fleet import bench_fleet
+    from lora_opt.bench.fleet import bench_fleet
     return bench_fleet(out=args.out)
 
 

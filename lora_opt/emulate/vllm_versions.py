@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_opt.errors import InputError
-from lora_opt.validate.admission import clamps_max_tokens
+from twin.admission import clamps_max_tokens
 from twin.flags import release_key
 
 

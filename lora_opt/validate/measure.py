@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from lora_opt.emulate.client import NOT_SENT, Record
-from lora_opt.validate.admission import Admission
+from twin.admission import Admission
 from twin.simulate import weighted_stats
 
 #: the per-request CSV's columns
@@ -56,7 +56,7 @@ def request_rows(records: list[Record], req, target: np.ndarray, urls: list[str]
                  speed: float, admission: Admission | None = None) -> list[dict]:
     """One row per request (``REQUEST_COLUMNS``), latencies in simulated ms; ``admission``: what
     the endpoints were expected to do with each request's lengths (``admitted``, ``clamped`` to
-    ``output_tokens_admitted``, ``refused``; :mod:`lora_opt.validate.admission`)."""
+    ``output_tokens_admitted``, ``refused``; :mod:`twin.admission`)."""
     rows = []
     for k, r in enumerate(records):
         verdict = ("admitted" if admission is None else "refused" if admission.refused[k] else

@@ -1,6 +1,6 @@
 """A validation run end to end: the placement's requests (``evaluate``'s, same seeds and
 routing) sent to live endpoints, the measured run in the evaluate schema beside the twin's
-prediction on the same requests (as the endpoints admit them: :mod:`lora_opt.validate.admission`),
+prediction on the same requests (as the endpoints admit them: :mod:`twin.admission`),
 SMAPE per metric and per GPU, the per-request CSV, the scraped time series, plots, and one MLflow
 run in experiment ``validation``.  Every file is written atomically; what was measured is written
 before the twin runs, so neither a twin that cannot run (``twin_error.json``, exit 5) nor Ctrl-C
@@ -26,7 +26,7 @@ from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload
 from lora_opt.smape import smape
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
-from lora_opt.validate.admission import Admission, admit, clamps_max_tokens
+from twin.admission import Admission, admit, clamps_max_tokens
 from lora_opt.validate.live import (SERIES_COLUMNS, emulator_lags, endpoint_prompt_tokens, endpoint_versions,
                                    replay_and_scrape, send_lateness_ms, series_rows)
 from lora_opt.validate.measure import REQUEST_COLUMNS, bench_summary, gpu_result, request_rows
@@ -81,7 +81,8 @@ def compare(real_ev: dict, twin_ev: dict, real_series: dict, twin_series: dict) 
             "real": {str(g): real[g] for g in gpus}, "twin": {str(g): twin[g] for g in gpus}}
 
 
-def _real_series(rows: list[dict]) -> dict[int, dict]:
+def real_series_by_gpu(rows: list[dict]) -> dict[int, dict]:
+    """The measured time series (``timeseries.csv`` rows) as arrays, per GPU: ``{gpu: {column: array}}``."""
     out: dict[int, dict] = {}
     for g in sorted({r["gpu"] for r in rows}):
         mine = [r for r in rows if r["gpu"] == g]
@@ -190,7 +191,7 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     late = send_lateness_ms(records)
     lags = emulator_lags(urls)
     _warn_if_late(late, lags, speed)
-    real_series = _real_series(srows)
+    real_series = real_series_by_gpu(srows)
     real_ev = _real_evaluation(p, wl, records, admitted, target, real_series, T, grace_s, speed,
                                admission.refused)
     bench = bench_summary(records, rows, speed, T)
@@ -215,10 +216,10 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     _write_real(out, info, real_ev, bench)
     if twin_ev is None:
         _write_twin_failure(out, info["twin"]["reason"])
-        _write_plots(out, rows, real_series, {}, [], set(real_series))
+        write_plots(out, rows, real_series, {}, [], set(real_series))
     else:
-        _write_twin(out, twin_ev, comparison, twin_series, twin_raw)
-        _write_plots(out, rows, real_series, twin_series, twin_raw,
+        write_twin(out, twin_ev, comparison, twin_series, twin_raw)
+        write_plots(out, rows, real_series, twin_series, twin_raw,
                      set(real_series) | {int(k) for k in comparison["real"]})
     status = (EXIT_INTERRUPTED if interrupted else EXIT_TWIN_FAILED if twin_ev is None
               else EXIT_NOT_ACCEPTABLE if bench["failed"] else EXIT_OK)
@@ -257,7 +258,7 @@ def _profile_version(profile: str) -> str | None:
 
 def admit_requests(p: Placement, req, target: np.ndarray, versions: dict[int, str],
                    limits: dict[int, int | None]):
-    """The requests as each GPU's endpoint admits them (:func:`lora_opt.validate.admission.admit`):
+    """The requests as each GPU's endpoint admits them (:func:`twin.admission.admit`):
     its ``max_model_len`` from ``/v1/models`` (else the placement's), the clamping rule of the
     version its ``/version`` says (else the profile's; else today's vLLM, which clamps).
     (requests with the admitted output lengths -- refused ones keep theirs --, the per-request
@@ -329,7 +330,9 @@ TWIN_FILES = ("twin.json", "comparison.json", "twin_timeseries.csv")
 TWIN_ERROR_FILE = "twin_error.json"
 
 
-def _write_twin(out: Path, twin_ev, comparison, twin_series, twin_raw) -> None:
+def write_twin(out: Path, twin_ev, comparison, twin_series, twin_raw) -> None:
+    """The twin's half of a validation run directory: ``twin.json``, ``comparison.json``,
+    ``twin_timeseries.csv`` (and no twin-failure file)."""
     atomic_write_json(out / "twin.json", twin_ev)
     atomic_write_json(out / "comparison.json", comparison)
     twin_rows = [{"time_s": t, "gpu": g, **{k: s[k][i] for k in ("running", "waiting", "kv_usage")}}
@@ -345,7 +348,8 @@ def _write_twin_failure(out: Path, reason: str) -> None:
                                               "measured": ["real.json", "bench.json", "requests.csv", "timeseries.csv"]})
 
 
-def _write_plots(out: Path, rows, real_series: dict, twin_series: dict, twin_raw: list, gpus: set) -> None:
+def write_plots(out: Path, rows, real_series: dict, twin_series: dict, twin_raw: list, gpus: set) -> None:
+    """Per GPU in ``gpus``: the real and twin time series and latency plots of a validation run."""
     raw_by_gpu = {r["gpu"]: r for r in twin_raw}
     for g in sorted(gpus):
         atomic_write_bytes(out / "plots" / f"gpu{g}.png",

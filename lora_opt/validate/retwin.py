@@ -15,7 +15,7 @@ from lora_opt.placement.evaluate import GRACE_S, route_requests, with_evaluation
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload
 from lora_opt.validate.live import SERIES_COLUMNS
-from lora_opt.validate.report import _real_series, _write_plots, _write_twin, admit_requests, twin_side
+from lora_opt.validate.report import admit_requests, real_series_by_gpu, twin_side, write_plots, write_twin
 from twin.scenario import ARRIVAL_PROCESSES
 
 #: what a stored run must hold
@@ -64,12 +64,12 @@ def retwin(run_dir: str | Path, p: Placement, wl: Workload, *, workers: int | No
               for g, d in per_gpu.items()}
     admitted, admission, _ = admit_requests(p, req, target, versions, limits)
     series_rows = _csv_rows(run / "timeseries.csv")
-    real_series = _real_series([{k: r[k] for k in SERIES_COLUMNS} for r in series_rows])
+    real_series = real_series_by_gpu([{k: r[k] for k in SERIES_COLUMNS} for r in series_rows])
     T = float(info["duration_s"])
     twin_ev, comparison, twin_series, twin_raw = twin_side(
         p, wl, admitted, admission.refused, target, T, min(GRACE_S, T / 2), float(info["scrape_s"]), workers,
         stored, real_series)
-    _write_twin(run, twin_ev, comparison, twin_series, twin_raw)
-    _write_plots(run, _csv_rows(run / "requests.csv", ("request", "gpu")), real_series, twin_series, twin_raw,
+    write_twin(run, twin_ev, comparison, twin_series, twin_raw)
+    write_plots(run, _csv_rows(run / "requests.csv", ("request", "gpu")), real_series, twin_series, twin_raw,
                  set(real_series) | {int(k) for k in comparison["real"]})
     return {"comparison": comparison, "twin": twin_ev, "real": stored, "info": info}

@@ -1,6 +1,7 @@
 """What a vLLM server does with a completion request's lengths before it schedules it, by version:
 admit it, clamp its ``max_tokens``, or refuse it (HTTP 400).  ``lora-opt validate`` sends the
-requests as they are to the live endpoints and gives the twin the requests those endpoints admit,
+requests as they are to the live endpoints and gives the twin the requests those endpoints admit
+(``lora_opt.validate``), and ``lora-opt emulate`` answers by the same rule,
 so both sides serve the same tokens.
 
 vLLM 0.32 (measured on the CPU build) and 0.33 (read in its source, ``get_max_tokens`` and

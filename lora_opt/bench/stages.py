@@ -17,7 +17,7 @@ Each ``bench_*`` returns its report as lines of text (``lora-opt bench`` prints 
 does not print) and writes its numbers as JSON when given ``out``.
 
 ``dataset`` (``bench_dataset``): rows/s of labelling a grid sample with 1 and 2 workers.
-``place`` (``lora_opt.benchmarks_place``): CPU time of the placement policies and its growth, 1k-1M adapters.
+``place`` (``lora_opt.bench.place``): CPU time of the placement policies and its growth, 1k-1M adapters.
 ``search`` (``bench_search``): parallel efficiency of search trials on Ray.
 ``ray`` (``bench_ray``): Ray's start-up and per-task overhead, from which the fan-out's
 serial-or-Ray threshold (``lora_opt.parallel.RAY_STARTUP_S``, ``RAY_TASK_S``) is set.
@@ -34,7 +34,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.benchmarks_place import bench_place, bench_workload  # noqa: F401 -- re-exported: `bench place`
+from lora_opt.bench.place import bench_place, bench_workload  # noqa: F401 -- re-exported: `bench place`
 from lora_opt.io import atomic_write_json
 from lora_opt.parallel import TaskPool, init_ray, run_batches
 from lora_opt.placement.policies import PlacementContext

@@ -1,7 +1,7 @@
 """Generated blocks of the README: the text between a begin marker (an HTML comment whose start is
 fixed, e.g. ``<!-- bench:twin:begin``, and whose rest says which script writes it) and an end marker
 (``<!-- bench:twin:end -->``).  Scripts rewrite a block whole, so what it shows cannot drift from the
-data it was made from; the bench tables (``lora_opt.benchmarks_readme``) and the Results section
+data it was made from; the bench tables (``speed_tables``) and the Results section
 (``experiments/results_section.py``) are such blocks.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 
-from lora_opt import readme_blocks
+import generated_blocks
 
 BEGIN = "<!-- bench:{name}:begin (generated from {source} by python experiments/readme_tables.py; do not edit) -->"
 END = "<!-- bench:{name}:end -->"
@@ -118,7 +118,7 @@ def replace_block(text: str, name: str, body: str, source: str) -> str:
     """``text`` with the block ``name`` (markers included) replaced by ``body`` between fresh
     markers; InputError if the README has no such block (or two)."""
     block = BEGIN.format(name=name, source=source) + "\n" + body.rstrip("\n") + "\n" + END.format(name=name)
-    return readme_blocks.replace_block(text, f"<!-- bench:{name}:begin", END.format(name=name), block)
+    return generated_blocks.replace_block(text, f"<!-- bench:{name}:begin", END.format(name=name), block)
 
 
 def render_readme(text: str, place_doc: dict | None, twin_rows: list | None, place_src: str, twin_src: str,
