@@ -140,7 +140,7 @@ def stage_report(out: Path, tracking_uri: str | None) -> int:
     from cpu_report import write_report
 
     from lora_opt.tracking import log_dir, tracked_run
-    summary = write_report(out)
+    summary = write_report(out, PROFILE_PATH)
     atomic_write_json(out / "summary.json", summary, indent=1)
     with tracked_run("real_validation_cpu", run_name="CPU vLLM 0.32, probe-llama", tracking_uri=tracking_uri):
         import mlflow

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import Context, Row, md_table, pyplot, save_figure
-from lora_opt.bench.stages import bench_workload
+from lora_opt.bench.place import bench_workload
 from lora_opt.placement.evaluate import evaluate_placement, served_ok
 from lora_opt.placement.policies import PlacementContext, get_policy
 

@@ -34,7 +34,6 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from lora_opt.bench.place import bench_place, bench_workload  # noqa: F401 -- re-exported: `bench place`
 from lora_opt.io import atomic_write_json
 from lora_opt.parallel import TaskPool, init_ray, run_batches
 from lora_opt.placement.policies import PlacementContext

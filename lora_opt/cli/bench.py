@@ -23,7 +23,7 @@ def _dataset(args: argparse.Namespace) -> list[str]:
 
 
 def _place(args: argparse.Namespace) -> list[str]:
-    from lora_opt.bench.stages import bench_place
+    from lora_opt.bench.place import bench_place
     return bench_place(out=args.out, repeats=args.repeats)
 
 
