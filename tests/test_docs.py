@@ -33,7 +33,7 @@ DOCS = ROOT / "docs"
 #: pages whose code blocks show commands (the generated CLI reference shows usage lines, not commands)
 PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.rglob("*.md") if p != DOCS / "reference" / "cli.md")]
 #: commands that need a GPU or a live vLLM endpoint: parsed here, run by tests/real_vllm/
-NEEDS_LIVE_VLLM = {"validate", "probe"}
+NEEDS_LIVE_VLLM = {"validate", "probe", "apply"}
 #: a placeholder the docs write where the user puts a value: W.yaml, K, DIR, LOG.csv, URI, ...
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(\.[a-z]+)?$|\.\.\.|^<.*>$")
 

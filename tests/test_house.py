@@ -129,6 +129,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("lora_opt.emulate",),
     ("lora_opt.validate",),
     ("lora_opt.probe",),
+    # a replan carried out on a live fleet (launches as probe does, measures as validate does)
+    ("lora_opt.apply",),
     # tooling over the stages: the benchmarks (the docs' generated blocks are written by experiments/)
     ("lora_opt.bench",),
     ("lora_opt.cli", "lora_opt.__main__"),

@@ -351,12 +351,14 @@ async def server_prompt_tokens(url: str, timeout: float = 10.0) -> PromptTokens:
 
 async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, models: list[str], speed: float, *,
                         end_s: float, stop: asyncio.Event | None = None, on_start=None,
-                        prompts: PromptTokens | None = None) -> list[Record]:
+                        prompts: PromptTokens | None = None, admit=None) -> list[Record]:
     """Send request k to ``urls[target[k]]`` (model ``models[adapter]``; ``target`` -1: not sent,
     recorded as failed) at ``arrival / speed`` wall seconds from the start, streaming with the usage
     chunk; at ``end_s / speed`` (or when ``stop`` is set) requests still in flight are cancelled
     and recorded with ``error = "unfinished"``.  ``on_start(t0)``: called once with the start;
-    ``prompts``: the servers' token ids (default: :func:`prompt_ids`'s range)."""
+    ``prompts``: the servers' token ids (default: :func:`prompt_ids`'s range); ``admit(k)``, asked
+    at send time: None sends request k, a string keeps it back (recorded with that string as its
+    error, never sent: e.g. its adapter is not served by anyone yet)."""
     ends = [split_url(u) for u in urls]
     records = [Record(0.0, int(i), int(o), due=float(a) / speed)
                for a, i, o in zip(req.arrival, req.in_len, req.out_len)]
@@ -372,6 +374,11 @@ async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, mode
         if stop.is_set():
             break
         g = int(target[k])
+        held = admit(k) if admit is not None else None
+        if held is not None:
+            records[k].error = held
+            records[k].sent = records[k].due
+            continue
         if g < 0:
             records[k].error = "not routed (the placement routes its adapter nowhere)"
             records[k].sent = records[k].due

@@ -288,6 +288,15 @@ async def _serve_one(server) -> bool:
     return True
 
 
+def _stopper(server, inst: Instance):
+    """What ``POST /emulator/shutdown`` calls: this instance's server exits, its engine stops (its
+    requests end), the others keep serving."""
+    def stop():
+        server.should_exit = True
+        inst.engine.close()
+    return stop
+
+
 async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
                 ready=None, stop: asyncio.Event | None = None, router: tuple | None = None) -> None:
     """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set); ``ready``:
@@ -303,7 +312,10 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     servers = []
     for spec, inst in instances:
         inst.engine.start()
-        servers.append(_server(build_app(inst), spec.host, spec.port, log_level))
+        app = build_app(inst)
+        server = _server(app, spec.host, spec.port, log_level)
+        app.state.shutdown = _stopper(server, inst)
+        servers.append(server)
     fronts, scraping = [], None
     if router is not None:
         host, port, table = router

@@ -123,6 +123,72 @@ class RouteTable:
         # models the policy does not route: a stream of their own, so they never shift the policy's draws
         self.rng = np.random.default_rng(np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, UNROUTED_STREAM)))
 
+    def table(self) -> dict:
+        """The routes as they stand: adapter id -> [{endpoint, weight}] (``router.json``'s shape;
+        the candidates with equal weights where the policy keeps no weights)."""
+        weights = getattr(self.policy, "routes", None)
+        out = {}
+        for a, k in self.adapter_index.items():
+            if k not in self.candidates:
+                continue
+            if weights is not None and k in weights:
+                engines, cw = weights[k]
+                ws = np.diff(cw, prepend=0.0)
+                out[a] = [{"endpoint": self.endpoints[e], "weight": float(w)} for e, w in zip(engines.tolist(), ws)]
+            else:
+                out[a] = [{"endpoint": self.endpoints[e], "weight": 1.0} for e in self.candidates[k].tolist()]
+        return out
+
+    def reroute(self, table: dict) -> dict:
+        """Replace the routes of the adapters ``table`` names (adapter id -> [{endpoint, weight}];
+        an empty list: the adapter is routed nowhere) -- a replan's ``route`` step.  Endpoints new
+        to the router join the fleet (engine indices stay: requests in flight keep their counts).
+        Only for policies that read no scraped metrics (those read engines this process serves).
+        Returns what changed: {"adapters": n, "new_endpoints": [...]}."""
+        if self.policy.reads_state == "metrics":
+            raise InputError(f"router {self.policy.name}: reads the instances' metrics; its routes cannot change "
+                             "while it runs")
+        parsed = {}
+        for a, es in table.items():
+            if not isinstance(a, str) or not isinstance(es, list):
+                raise InputError("routes: expected adapter id -> [{endpoint, weight}]")
+            rs = []
+            for e in es:
+                if not isinstance(e, dict) or not isinstance(e.get("endpoint"), str):
+                    raise InputError(f"routes.{a}: every entry needs an endpoint URL")
+                w = e.get("weight", 1.0)
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+                    raise InputError(f"routes.{a}: weight must be a finite number > 0, got {w!r}")
+                rs.append((e["endpoint"].rstrip("/"), float(w)))
+            parsed[a] = rs
+        added = sorted({ep for rs in parsed.values() for ep, _ in rs} - set(self.endpoints))
+        if added:
+            self.endpoints += added
+            grow = len(added)
+            v = self.view
+            for name in ("in_flight", "waiting", "running", "kv_usage", "max_loras"):
+                arr = getattr(v, name)
+                setattr(v, name, np.concatenate([arr, np.zeros(grow, arr.dtype)]))
+            v.running_adapters = list(v.running_adapters) + [frozenset()] * grow
+            v.waiting_adapters = list(v.waiting_adapters) + [frozenset()] * grow
+        index = {ep: k for k, ep in enumerate(self.endpoints)}
+        weights = getattr(self.policy, "routes", None)
+        for a, rs in parsed.items():
+            if a not in self.adapter_index:
+                self.adapter_index[a] = len(self.adapter_ids)
+                self.adapter_ids.append(a)
+            k = self.adapter_index[a]
+            if rs:
+                self.candidates[k] = np.array(sorted({index[ep] for ep, _ in rs}), np.int64)
+            else:
+                self.candidates.pop(k, None)
+            if weights is not None:          # the static policy's table
+                if rs:
+                    weights[k] = (np.array([index[ep] for ep, _ in rs], np.int64), np.cumsum([w for _, w in rs]))
+                else:
+                    weights.pop(k, None)
+        return {"adapters": len(parsed), "new_endpoints": added}
+
     def pick(self, model: str | None) -> str:
         """The endpoint of ``model``'s next request (counted in flight: call :meth:`done` at its end)."""
         return self.endpoints[self.pick_engine(model)]
@@ -216,6 +282,32 @@ async def until_client_gone(request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+def add_route_admin(app, table: RouteTable) -> None:
+    """The router's own administration (not vLLM's API), what ``lora-opt apply``'s route steps
+    call: ``GET /router/routes`` (policy, endpoints, the table as it stands) and ``POST
+    /router/routes`` with ``{"routes": {adapter id: [{endpoint, weight}]}}`` (:meth:`RouteTable.reroute`;
+    400 for a malformed table, 409 for a policy whose routes cannot change while it runs)."""
+    from fastapi import Request
+    from starlette.responses import JSONResponse
+
+    @app.get("/router/routes")
+    async def routes():
+        return {"policy": table.policy.name, "endpoints": list(table.endpoints), "routes": table.table()}
+
+    @app.post("/router/routes")
+    async def reroute(request: Request):
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict) or not isinstance(body.get("routes"), dict):
+                raise InputError('expected {"routes": {adapter id: [{"endpoint": URL, "weight": w}]}}')
+            return table.reroute(body["routes"])
+        except (ValueError, RecursionError) as exc:       # InputError is a ValueError
+            status = 409 if isinstance(exc, InputError) and "cannot change" in str(exc) else 400
+            e = APIError(status, str(exc) if isinstance(exc, InputError) else "the body is not JSON",
+                         HTTPStatus(status).phrase)
+            return JSONResponse(e.body(), status_code=e.status)
 
 
 def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
@@ -314,6 +406,8 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     @app.get("/health")
     async def health():
         return Response(status_code=200)
+
+    add_route_admin(app, table)
 
     # an unknown route or method keeps FastAPI's {"detail": ...} answer: real vLLM 0.32 answers those
     # the same way (its handler of HTTP errors catches FastAPI's HTTPException, not the router's)

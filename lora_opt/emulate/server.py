@@ -320,6 +320,17 @@ def build_app(inst: Instance):
             inst.first_token_late.clear()
         return out
 
+    @app.post("/emulator/shutdown")
+    async def shutdown():
+        """Stop this instance alone (a replan's ``stop`` step on an emulated fleet; a real vLLM is
+        stopped by its process).  Requests still running are aborted, as a stopped vLLM drops them."""
+        stop = getattr(app.state, "shutdown", None)
+        if stop is None:
+            return _error(inst, APIError(501, "this instance is not served by lora-opt emulate's fleet loop",
+                                         "NotImplementedError"))
+        stop()
+        return {"stopping": True}
+
     if inst.runtime_lora_updating:          # vLLM registers these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
         @app.post("/v1/load_lora_adapter")
         async def load_lora(request: Request):

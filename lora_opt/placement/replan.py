@@ -367,6 +367,8 @@ def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: 
     plan["chosen"] = best.name
     plan["costs"] = dataclasses.asdict(costs)
     plan["twin_checks"] = judge.calls + states_judge.calls
+    # the bound every state was judged against: what a measured transition is held to (lora-opt apply)
+    plan["slo"] = {"ttft_p99_s": policy.ttft_p99_s}
     placement = target_placement(best, wl, policy, current, time.perf_counter() - t0)
     return Replan(best, cands, placement, plan)
 

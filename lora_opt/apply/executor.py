@@ -1,0 +1,256 @@
+"""Carrying out a replan's ``plan.json`` on a running fleet, step by step, while it serves.
+
+Each step is what ``lora_opt.placement.replan_steps`` wrote, done the way vLLM takes it:
+
+* ``unload`` / ``load``: the step's HTTP call to the instance (vLLM's runtime LoRA endpoints:
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); ``--adapter-dir`` replaces the adapter path;
+* ``launch``: the new placement's own ``vllm serve`` command for that GPU (as ``lora-opt place
+  --emit-vllm`` writes it), started as a subprocess and waited for on ``/health``; ``server_cmd``
+  replaces ``vllm serve MODEL`` (``lora-opt emulate --profile P --speed S`` for an emulated fleet,
+  as ``lora-opt probe --launch`` does);
+* ``route``: ``POST /router/routes`` on the router (lora-opt's emulate router; another router's
+  table is the operator's to switch, and the step fails saying so);
+* ``drain``: ``/metrics`` polled until ``vllm:num_requests_running + vllm:num_requests_waiting``
+  is 0 on two reads in a row;
+* ``stop``: an instance this executor launched is terminated; an emulated one gets ``POST
+  /emulator/shutdown``; any other is left running for its operator (it has no traffic now).
+
+After ``route`` and before the unloads that follow it, the executor waits ``unload_grace_s``: a
+request the router picked the old instance for just before the switch reaches it before its
+adapter goes.  The first step that fails stops the run (later steps are ``skipped``): the fleet
+stays in the last state the plan judged, never in one it did not.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from lora_opt.errors import InputError
+from lora_opt.placement.plan import Placement
+from lora_opt.placement.replan_steps import RUNTIME_LORA_ENV
+from lora_opt.placement.vllm_launch import resolve_vllm_version, serve_command
+from lora_opt.probe.launch import LaunchedServer, ServeCommand, parse_serve_command
+from lora_opt.validate.live import parse_scrape
+from twin.profile import load_profile
+
+#: the actions a plan's steps take
+ACTIONS = ("unload", "load", "launch", "route", "drain", "stop")
+#: wall seconds an HTTP call of a step may take
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    """How the executor reaches the fleet."""
+
+    router: str | None = None
+    """The router's base URL (``http://host:port``): route steps ``POST /router/routes`` there."""
+    model: str | None = None
+    """``vllm serve MODEL`` of launches (default: the profile's model name)."""
+    server_cmd: str | None = None
+    """Replaces ``vllm serve MODEL`` in launches (e.g. ``lora-opt emulate --profile P --speed S``)."""
+    adapter_dir: str | None = None
+    """Adapters load from ``ADAPTER_DIR/<id>`` instead of their placement path."""
+    log_dir: Path = Path("apply-logs")
+    """Where launched servers write their logs."""
+    unload_grace_s: float = 0.5
+    """Wall seconds between a route switch and the unloads that follow it."""
+    drain_timeout_s: float = 600.0
+    """Wall seconds a drain may take before the step fails."""
+    poll_s: float = 0.25
+    """Wall seconds between a drain's reads of ``/metrics``."""
+    health_timeout_s: float = 900.0
+    """Wall seconds a launched server has to answer ``/health``."""
+
+
+@dataclass
+class StepResult:
+    """What one step did (wall seconds from the executor's clock origin)."""
+
+    step: int
+    action: str
+    instance: str
+    started_s: float = float("nan")
+    ended_s: float = float("nan")
+    status: str = "skipped"
+    """``ok``, ``failed``, ``skipped`` (an earlier step failed) or ``left`` (a stop left to the operator)."""
+    detail: str = ""
+
+
+@dataclass
+class PlanExecutor:
+    """Runs a plan's steps in order on the live fleet; :attr:`routed` follows the router's table
+    (the adapters a client may ask for now: traffic for an adapter new to the workload waits for
+    its route step)."""
+
+    plan: dict
+    placement: Placement
+    """The placement the plan leads to (launches use its flags and adapters)."""
+    opts: ApplyOptions = field(default_factory=ApplyOptions)
+    t0: float = field(default_factory=time.perf_counter)
+    routed: set = field(default_factory=set)
+    results: list = field(default_factory=list)
+    launched: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        steps = self.plan.get("steps")
+        if not isinstance(steps, list) or not all(isinstance(s, dict) and s.get("action") in ACTIONS for s in steps):
+            raise InputError(f"plan: 'steps' must be a list of steps with an action in {', '.join(ACTIONS)}")
+        self.endpoints = dict(self.plan.get("endpoints") or {})
+        self.results = [StepResult(s.get("step", k + 1), s["action"], str(s.get("instance", "")))
+                        for k, s in enumerate(steps)]
+        if any(s["action"] == "route" for s in steps) and not self.opts.router:
+            raise InputError("--router: the plan switches routes; give the router's URL (lora-opt emulate --router-port)")
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def running_urls(self) -> list[str]:
+        """The URLs of the instances running when the plan starts (kept or to be stopped)."""
+        return [self.endpoints[it["instance"]] for it in self.plan.get("instances", [])
+                if it.get("current_gpu") is not None and it["instance"] in self.endpoints]
+
+    def live(self) -> dict[str, str]:
+        """Instance name -> URL of those serving now: running at the start and not stopped by a
+        step that ran, and those this executor launched."""
+        stopped = {r.instance for r in self.results if r.action == "stop" and r.status == "ok"}
+        names = [it["instance"] for it in self.plan.get("instances", []) if it.get("current_gpu") is not None]
+        names += [n for n in self.launched if self.launched[n].proc is not None]
+        return {n: self.endpoints[n] for n in names if n not in stopped and n in self.endpoints}
+
+    async def preflight(self, client) -> None:
+        """Every instance the plan keeps or stops answers ``/health``; the router's table is read
+        (``routed``).  Raises :class:`InputError` naming what does not answer."""
+        running = {it["instance"] for it in self.plan.get("instances", []) if it.get("current_gpu") is not None}
+        dead = []
+        for name in sorted(running):
+            url = self.endpoints.get(name)
+            try:
+                ok = url is not None and (await client.get(f"{url}/health", timeout=5.0)).status_code == 200
+            except Exception:           # noqa: BLE001 - any failure to answer is "not running"
+                ok = False
+            if not ok:
+                dead.append(f"{name} ({url})")
+        if dead:
+            raise InputError(f"plan: instances not answering /health: {', '.join(dead)}")
+        if self.opts.router:
+            self.routed = set((await self._router_table(client)).get("routes", {}))
+
+    async def _router_table(self, client) -> dict:
+        try:
+            r = await client.get(f"{self.opts.router.rstrip('/')}/router/routes", timeout=5.0)
+        except Exception as exc:        # noqa: BLE001
+            raise InputError(f"--router {self.opts.router}: not reachable ({type(exc).__name__})") from None
+        if r.status_code != 200:
+            raise InputError(f"--router {self.opts.router}: GET /router/routes answered {r.status_code}; route steps "
+                             "need lora-opt's router (lora-opt emulate --router-port); switch another router's "
+                             "table by hand")
+        return r.json()
+
+    async def run(self, client, on_step=None) -> list[StepResult]:
+        """Every step in order; stops at the first failure.  ``on_step(result)`` after each."""
+        steps = self.plan["steps"]
+        for k, s in enumerate(steps):
+            res = self.results[k]
+            res.started_s = self.now()
+            try:
+                res.status, res.detail = await self._do(client, s, steps[k - 1] if k else None)
+            except Exception as exc:    # noqa: BLE001 - a step that fails is a result, the fleet stays as it is
+                res.status, res.detail = "failed", f"{type(exc).__name__}: {exc}"
+            res.ended_s = self.now()
+            if on_step is not None:
+                on_step(res)
+            if res.status == "failed":
+                break
+        return self.results
+
+    async def _do(self, client, s: dict, previous: dict | None) -> tuple[str, str]:
+        action = s["action"]
+        if action in ("load", "unload"):
+            if action == "unload" and previous is not None and previous["action"] == "route":
+                await asyncio.sleep(self.opts.unload_grace_s)
+            req = dict(s["request"])
+            body = dict(req["json"])
+            if action == "load" and self.opts.adapter_dir:
+                body["lora_path"] = str(Path(self.opts.adapter_dir) / body["lora_name"])
+            r = await client.post(req["url"], json=body, timeout=CALL_TIMEOUT_S)
+            ok = r.status_code == 200
+            return ("ok" if ok else "failed"), f"HTTP {r.status_code}: {r.text.strip()[:200]}"
+        if action == "route":
+            table = {aid: [{"endpoint": url.rstrip("/") + "/v1", "weight": w} for _, url, w in dests]
+                     for aid, dests in s["weights"].items()}
+            r = await client.post(f"{self.opts.router.rstrip('/')}/router/routes", json={"routes": table},
+                                  timeout=CALL_TIMEOUT_S)
+            if r.status_code != 200:
+                return "failed", f"router answered HTTP {r.status_code}: {r.text.strip()[:200]}"
+            self.routed |= {a for a, es in table.items() if es}
+            self.routed -= {a for a, es in table.items() if not es}
+            return "ok", f"{len(table)} adapter(s) switched"
+        if action == "launch":
+            return await self._launch(s)
+        if action == "drain":
+            return await self._drain(client, self.endpoints[s["instance"]])
+        return await self._stop(client, s["instance"])
+
+    def launch_command(self, s: dict) -> ServeCommand:
+        """The ``vllm serve`` command of a launch step: the new placement's flags and adapters for
+        its GPU (``new_gpu``), on the step's URL, with the step's environment (runtime LoRA
+        updating on) -- the command ``lora-opt place --emit-vllm`` writes for that GPU."""
+        g = int(s["new_gpu"])
+        p = self.placement
+        adapters = p.adapters_on(g)
+        if self.opts.adapter_dir:
+            adapters = [dataclasses.replace(a, path=str(Path(self.opts.adapter_dir) / a.id)) for a in adapters]
+        prof = load_profile(p.profile)
+        u = urlparse(s["url"])
+        argv = serve_command(p, g, self.opts.model or prof.model.name, host=u.hostname or "127.0.0.1",
+                             port=u.port or 80, adapters=adapters, block_size=prof.memory.block_size,
+                             vllm_version=resolve_vllm_version(None, getattr(prof, "vllm_version", None), InputError))
+        return parse_serve_command(f"{s.get('env', RUNTIME_LORA_ENV)} {shlex.join(argv)}")
+
+    async def _launch(self, s: dict) -> tuple[str, str]:
+        cmd = self.launch_command(s)
+        srv = LaunchedServer(cmd, server_cmd=self.opts.server_cmd, log_path=self.opts.log_dir / f"{s['instance']}.log",
+                             health_timeout_s=self.opts.health_timeout_s)
+        self.launched[s["instance"]] = srv
+        self.endpoints[s["instance"]] = s["url"]
+        started = await asyncio.to_thread(srv.start)
+        if not started:
+            return "failed", f"exited with {srv.exit_code} before /health answered: {srv.log_tail()}"
+        return "ok", f"healthy after {srv.startup_s:.1f} s: {shlex.join(cmd.argv(self.opts.server_cmd))[:300]}"
+
+    async def _drain(self, client, url: str) -> tuple[str, str]:
+        t = time.perf_counter()
+        zero_reads = 0
+        while time.perf_counter() - t < self.opts.drain_timeout_s:
+            r = await client.get(f"{url}/metrics", timeout=CALL_TIMEOUT_S)
+            if r.status_code != 200:
+                return "failed", f"/metrics answered HTTP {r.status_code}"
+            v = parse_scrape([ln for ln in r.content.split(b"\n") if ln.startswith(b"vllm:num_requests")])
+            zero_reads = zero_reads + 1 if v["running"] + v["waiting"] == 0 else 0
+            if zero_reads >= 2:
+                return "ok", f"empty after {time.perf_counter() - t:.2f} s"
+            await asyncio.sleep(self.opts.poll_s)
+        return "failed", f"still serving after {self.opts.drain_timeout_s:g} s"
+
+    async def _stop(self, client, name: str) -> tuple[str, str]:
+        srv = self.launched.get(name)
+        if srv is not None:
+            await asyncio.to_thread(srv.stop)
+            return "ok", "terminated (launched by this run)"
+        url = self.endpoints[name]
+        r = await client.post(f"{url}/emulator/shutdown", timeout=CALL_TIMEOUT_S)
+        if r.status_code == 200:
+            return "ok", "emulated instance shut down"
+        return "left", (f"not started by lora-opt (POST /emulator/shutdown: HTTP {r.status_code}): it has no traffic "
+                        "now; stop its vLLM process")
+
+    def close(self) -> None:
+        """Stop every server this executor launched (they end with it)."""
+        for srv in self.launched.values():
+            srv.stop()

@@ -1,0 +1,222 @@
+"""``lora-opt apply``: a replan's plan carried out on a running (emulated) fleet under traffic --
+the router's table switched at run time, vLLM's runtime LoRA endpoints, launches, drains, stops --
+and what it refuses."""
+from __future__ import annotations
+
+import http.server
+import json
+import shlex
+import socket
+import sys
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import yaml
+
+from lora_opt.apply.executor import ApplyOptions
+from lora_opt.apply.run import apply_plan
+from lora_opt.apply.transition import TrafficOptions
+from lora_opt.cli import main
+from lora_opt.emulate.fleet import free_ports
+from lora_opt.emulate.router import RouteTable
+from lora_opt.errors import EXIT_BAD_INPUT, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
+from lora_opt.placement.plan import Adapter, GPUConfig, Placement
+from lora_opt.placement.workload_file import load_workload
+from test_emulate import Emulator
+
+PROFILE = "llama-3.1-8b-h100-64gb"
+#: the emulated fleet's speed in the traffic test (4 instances relaying ~14 req/s x 40 tokens: 2 keeps up on 2 cores)
+SPEED = 2.0
+
+
+# ---- the router's table at run time ---------------------------------------------------------
+def test_reroute_switches_an_adapter_to_a_new_endpoint_and_keeps_counts():
+    t = RouteTable({"a": [{"endpoint": "http://h:1/v1", "weight": 1.0}],
+                    "b": [{"endpoint": "http://h:2/v1", "weight": 1.0}]}, seed=0)
+    e = t.pick_engine("a")
+    assert t.endpoints[e] == "http://h:1/v1" and t.view.in_flight[e] == 1
+    changed = t.reroute({"a": [{"endpoint": "http://h:3/v1", "weight": 3.0}, {"endpoint": "http://h:2/v1", "weight": 1.0}],
+                         "c": [{"endpoint": "http://h:2/v1"}]})
+    assert changed == {"adapters": 2, "new_endpoints": ["http://h:3/v1"]}
+    assert t.view.in_flight.tolist() == [1, 0, 0]           # the request in flight keeps its engine
+    t.done(e)
+    picks = [t.pick("a") for _ in range(400)]
+    share = picks.count("http://h:3/v1") / len(picks)
+    assert 0.65 < share < 0.85 and set(picks) == {"http://h:3/v1", "http://h:2/v1"}
+    assert t.pick("c") == "http://h:2/v1"
+    table = t.table()
+    assert [e["endpoint"] for e in table["a"]] == ["http://h:3/v1", "http://h:2/v1"]
+    assert table["a"][0]["weight"] == pytest.approx(3.0)
+    t.reroute({"b": []})                                     # routed nowhere: no longer in the table
+    assert "b" not in t.table()
+
+
+@pytest.mark.parametrize("routes, needle", [
+    ({"a": "http://h:1/v1"}, "adapter id -> [{endpoint, weight}]"),
+    ({"a": [{"weight": 1.0}]}, "needs an endpoint URL"),
+    ({"a": [{"endpoint": "http://h:1/v1", "weight": 0}]}, "weight must be a finite number > 0"),
+    ({"a": [{"endpoint": "http://h:1/v1", "weight": float("nan")}]}, "weight must be a finite number > 0"),
+])
+def test_reroute_refuses_a_malformed_table(routes, needle):
+    t = RouteTable({"a": [{"endpoint": "http://h:1/v1", "weight": 1.0}]}, seed=0)
+    with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("{", r"\{")):
+        t.reroute(routes)
+
+
+def test_the_router_answers_its_table_and_refuses_a_malformed_switch():
+    from fastapi.testclient import TestClient
+
+    from lora_opt.emulate.router import build_router_app
+    t = RouteTable({"a": [{"endpoint": "http://h:1/v1", "weight": 1.0}]}, seed=0)
+    with TestClient(build_router_app(t)) as client:
+        assert client.get("/router/routes").json()["routes"] == {"a": [{"endpoint": "http://h:1/v1", "weight": 1.0}]}
+        r = client.post("/router/routes", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the body is not JSON"
+        r = client.post("/router/routes", json={"routes": {"a": [{"endpoint": "http://h:2/v1", "weight": -1}]}})
+        assert r.status_code == 400 and "weight must be a finite number > 0" in r.json()["error"]["message"]
+        assert client.post("/router/routes", json={"routes": {"a": [{"endpoint": "http://h:2/v1"}]}}).json() == \
+            {"adapters": 1, "new_endpoints": ["http://h:2/v1"]}
+        assert client.get("/router/routes").json()["endpoints"] == ["http://h:1/v1", "http://h:2/v1"]
+
+
+# ---- plans that fail, and bad input ------------------------------------------------------------
+def _placement_dir(tmp_path, plan: dict):
+    p = Placement(PROFILE, [Adapter("x", 8, 1.0)],
+                  [GPUConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1, max_num_seqs=4, max_num_batched_tokens=2048,
+                             gpu_memory_utilization=0.9, max_model_len=4096)], {"x": [(0, 1.0)]}, policy="test")
+    p.save(tmp_path / "placement.json")
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    return tmp_path
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_first_failed_step_stops_the_plan(tmp_path):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    steps = [{"step": 1, "action": "load", "instance": "gpu0",
+              "request": {"method": "POST", "url": f"{url}/v1/load_lora_adapter", "json": {"lora_name": "x", "lora_path": "p"}}},
+             {"step": 2, "action": "stop", "instance": "gpu0"}]
+    d = _placement_dir(tmp_path, {"steps": steps, "endpoints": {"gpu0": url}, "instances": []})
+    summary, code = apply_plan(d, opts=ApplyOptions(), out=tmp_path / "out", track=False)
+    assert code == EXIT_NOT_ACCEPTABLE
+    assert [s["status"] for s in summary["steps"]] == ["failed", "skipped"]
+    assert "ConnectError" in summary["steps"][0]["detail"]
+    assert (tmp_path / "out" / "steps.csv").read_text().count("\n") == 3
+
+
+class _NoShutdown(http.server.BaseHTTPRequestHandler):
+    """A server that is not lora-opt's emulator: POST answers 501, GET /metrics says idle."""
+
+    def do_GET(self):
+        body = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_stop_of_an_instance_lora_opt_did_not_start_is_left_to_its_operator(tmp_path):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoShutdown)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        steps = [{"step": 1, "action": "drain", "instance": "gpu0"}, {"step": 2, "action": "stop", "instance": "gpu0"}]
+        d = _placement_dir(tmp_path, {"steps": steps, "endpoints": {"gpu0": url}, "instances": []})
+        summary, code = apply_plan(d, opts=ApplyOptions(poll_s=0.01), out=tmp_path / "out", track=False)
+    finally:
+        srv.shutdown()
+    assert code == EXIT_OK
+    assert [s["status"] for s in summary["steps"]] == ["ok", "left"]
+    assert "stop its vLLM process" in summary["steps"][1]["detail"]
+
+
+@pytest.mark.parametrize("plan, argv, needle", [
+    (None, [], "not found"),
+    ({"nosteps": []}, [], "is not a replan plan"),
+    ({"steps": [{"action": "explode"}]}, [], "an action in unload, load, launch, route, drain, stop"),
+    ({"steps": [{"step": 1, "action": "route", "weights": {}}]}, [], "--router: the plan switches routes"),
+    ({"steps": []}, ["--start-after-s", "0"], "--start-after-s"),
+])
+def test_bad_input_is_refused_naming_it(tmp_path, capsys, plan, argv, needle):
+    target = tmp_path / "missing" if plan is None else _placement_dir(tmp_path, plan)
+    code = main(["apply", str(target), "--no-track", "--out", str(tmp_path / "out"), *argv])
+    assert code == EXIT_BAD_INPUT
+    assert needle in capsys.readouterr().err
+
+
+def test_a_plan_whose_running_instances_do_not_answer_is_refused_before_any_step(tmp_path, capsys):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    d = _placement_dir(tmp_path, {"steps": [], "endpoints": {"gpu0": url},
+                                  "instances": [{"instance": "gpu0", "current_gpu": 0, "action": "keep"}]})
+    assert main(["apply", str(d), "--no-track", "--out", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    assert "not answering /health: gpu0" in capsys.readouterr().err
+
+
+# ---- the whole loop: place, replan, emulated fleet, apply under traffic ---------------------------
+def _workload(name: str, adapters: list[tuple[str, int, float]], seed: int) -> dict:
+    return {"profile": PROFILE, "name": name, "rho": 0.9, "engine": {"max_num_seqs": 4},
+            "adapters": [{"id": a, "rank": r, "rate": q} for a, r, q in adapters],
+            "evaluation": {"lengths": {"source": "mean", "mean_in": 200, "mean_out": 40}, "duration_s": 300, "seed": seed}}
+
+
+@pytest.fixture(scope="module")
+def onboarding(tmp_path_factory):
+    """A placement of 8 adapters on 2 GPUs, and a replan for 2 retired and 3 new ones: incremental,
+    2 unloads, 2 launches, a load, a route switch."""
+    d = tmp_path_factory.mktemp("apply")
+    base = [(f"a{i}", 8 if i % 2 else 16, float(q)) for i, q in enumerate(9.0 * np.arange(1, 9) ** -0.8 /
+                                                                            (np.arange(1, 9) ** -0.8).sum())]
+    new = base[2:] + [(f"n{i}", 8, 3.0) for i in range(3)]
+    for name, ads, seed in (("before", base, 0), ("onboarding", new, 1)):
+        (d / f"{name}.yaml").write_text(yaml.safe_dump(_workload(name, ads, seed)))
+    for a, r, _ in base + new:
+        (d / "adapters" / a).mkdir(parents=True, exist_ok=True)
+        (d / "adapters" / a / "adapter_config.json").write_text(json.dumps({"r": r}))
+    port = free_ports(8)
+    assert main(["place", "--workload", str(d / "before.yaml"), "--gpus", "4", "--policy", "greedy-plus",
+                 "--verify-s", "120", "--out", str(d / "before")]) == EXIT_OK
+    assert main(["replan", str(d / "before"), "--workload", str(d / "onboarding.yaml"), "--verify-s", "120",
+                 "--base-port", str(port), "--out", str(d / "plan")]) == EXIT_OK
+    return d, port
+
+
+def test_a_replan_applied_under_traffic_fails_no_request(onboarding, tmp_path):
+    d, port = onboarding
+    plan = json.loads((d / "plan" / "plan.json").read_text())
+    actions = {s["action"] for s in plan["steps"]}
+    assert {"launch", "load", "route", "unload"} <= actions, actions
+    router = free_ports(1)
+    fleet = Emulator(["--placement", str(d / "before"), "--base-port", str(port), "--router-port", str(router),
+                      "--speed", str(SPEED)], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    server_cmd = shlex.join([sys.executable, "-m", "lora_opt.cli", "emulate", "--profile", PROFILE, "--speed", str(SPEED)])
+    try:
+        summary, code = apply_plan(
+            d / "plan", opts=ApplyOptions(router=f"http://127.0.0.1:{router}", server_cmd=server_cmd,
+                                          adapter_dir=str(d / "adapters")),
+            out=tmp_path / "out", workload=load_workload(d / "onboarding.yaml"),
+            traffic=TrafficOptions(speed=SPEED, start_after_s=8.0, duration_s=40.0), track=False)
+    finally:
+        fleet.stop()
+    assert code == EXIT_OK, summary["verdict"]
+    assert [s["status"] for s in summary["steps"]] == ["ok"] * len(plan["steps"])
+    w = summary["windows"]
+    assert summary["verdict"]["failed_requests"] == 0
+    assert w["before"]["ok"] > 0 and w["after"]["ok"] > 0
+    assert w["before"]["held"] > 0                      # the new adapters' requests before their route step
+    assert w["after"]["held"] == 0                      # routed by then
+    rows = (tmp_path / "out" / "requests.csv").read_text().splitlines()
+    assert len(rows) - 1 == summary["info"]["requests"]
+    assert (tmp_path / "out" / "transition.png").stat().st_size > 0
+    # the launched instance ended with the run (nothing left behind)
+    for name, info in summary["launched"].items():
+        with pytest.raises(OSError):
+            urllib.request.urlopen(info["url"] + "/health", timeout=2)
