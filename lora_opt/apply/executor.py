@@ -139,7 +139,13 @@ class PlanExecutor:
         if dead:
             raise InputError(f"plan: instances not answering /health: {', '.join(dead)}")
         if self.opts.router:
-            self.routed = set((await self._router_table(client)).get("routes", {}))
+            doc = await self._router_table(client)
+            self.routed = set(doc.get("routes", {}))
+            known = {u.rstrip("/") + "/v1" for u in self.endpoints.values()}
+            foreign = sorted({e["endpoint"].rstrip("/") for es in doc.get("routes", {}).values() for e in es} - known)
+            if foreign:
+                raise InputError(f"--router: its table routes to {', '.join(foreign[:3])}, which are not the plan's "
+                                 "instances (was the plan made with the fleet's --host and --base-port?)")
 
     async def _router_table(self, client) -> dict:
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lora_opt.apply.executor import ApplyOptions, PlanExecutor
 from lora_opt.apply.transition import WINDOWS, TrafficOptions, measure
-from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
+from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.placement.plan import Placement
 from lora_opt.tracking import log_command_run
@@ -74,17 +74,20 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
     out = Path(out)
     opts = ApplyOptions(**{**asdict(opts), "log_dir": out / "logs"})
     ex = PlanExecutor(plan, placement, opts)
+    interrupted = False
     try:
-        if workload is not None:
-            if not opts.router:
-                raise InputError("--router: traffic flows through the router; give its URL")
-            got = asyncio.run(measure(ex, workload, opts.router.rstrip("/") + "/v1", traffic, on_step=_log_step))
-        else:
-            got = asyncio.run(_steps_only(ex))
-        # the emulator's own lateness (its machine, not its schedule): a late emulator measures the host
-        if workload is not None:
-            live = ex.live()
-            got["info"]["emulator_late_wall_ms"] = {n: lag for n, lag in emulator_lags(live).items()}
+        try:
+            if workload is not None:
+                if not opts.router:
+                    raise InputError("--router: traffic flows through the router; give its URL")
+                got = asyncio.run(measure(ex, workload, opts.router.rstrip("/") + "/v1", traffic, on_step=_log_step))
+            else:
+                got = asyncio.run(_steps_only(ex))
+        except KeyboardInterrupt:       # the steps done so far are written; the requests are not kept
+            interrupted = True
+            got = {"steps": ex.results, "verdict": {"ok": False, "steps_ok": False, "interrupted": True}}
+        if "info" in got:               # the emulator's own lateness (its machine, not its schedule)
+            got["info"]["emulator_late_wall_ms"] = emulator_lags(ex.live())
     finally:
         if not keep_launched:
             ex.close()
@@ -111,6 +114,8 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
                     artifacts=[p for p in written if p is not None], tracking_uri=tracking_uri, track=track,
                     wall_s=time.time() - t_start)
     summary["written"] = [str(p) for p in written if p is not None]
+    if interrupted:
+        return summary, EXIT_INTERRUPTED
     return summary, EXIT_OK if got["verdict"]["ok"] else EXIT_NOT_ACCEPTABLE
 
 

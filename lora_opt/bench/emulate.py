@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from lora_opt.emulate.client import replay, summarise
+from lora_opt.emulate.fleet import free_ports
 from lora_opt.io import atomic_write_json
 from twin.scenario import scenario_from_dict
 from twin.simulate import simulate
@@ -40,12 +40,6 @@ CAPACITY_SCENARIO = {
     "adapters": [{"count": 16, "rank": 16, "rate": 1.0}],
     "lengths": {"source": "mean", "mean_in": 100, "mean_out": 300},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict:
@@ -67,6 +61,8 @@ def _launch(scenario_path: str, port: int, speed: float, cpu: int | None):
 
 
 def _wait_health(proc, port: int, timeout: float = 60.0) -> float:
+    # not lora_opt.probe.launch.LaunchedServer: start-up is what is timed here (polled every 20 ms,
+    # not 0.2 s) and the server may be pinned to one core (preexec_fn), which LaunchedServer does not do
     t0 = time.perf_counter()
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     while time.perf_counter() - t0 < timeout:
@@ -160,7 +156,7 @@ def consistency(speed: float, scenario: dict = CONSISTENCY_SCENARIO) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "consistency.yaml")
         Path(path).write_text(yaml.safe_dump(scenario))
-        port = _free_port()
+        port = free_ports(1)
         proc = _launch(path, port, speed, None)
         try:
             _wait_health(proc, port)
@@ -194,7 +190,7 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
         Path(path).write_text(yaml.safe_dump(CAPACITY_SCENARIO))
         startup = []
         for k in range(startups + 1):               # the first launch warms Numba's cache
-            port = _free_port()
+            port = free_ports(1)
             t0 = time.perf_counter()
             proc = _launch(path, port, 1.0, server_cpu)
             try:
@@ -203,7 +199,7 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
                     startup.append(time.perf_counter() - t0)
             finally:
                 _stop(proc)
-        port = _free_port()
+        port = free_ports(1)
         proc = _launch(path, port, 1.0, server_cpu)
         try:
             _wait_health(proc, port)
