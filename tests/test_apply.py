@@ -124,17 +124,19 @@ class _NoShutdown(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_stop_of_an_instance_lora_opt_did_not_start_is_left_to_its_operator(tmp_path):
+def test_a_stop_of_an_instance_lora_opt_did_not_start_is_left_to_its_operator(tmp_path, capsys):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoShutdown)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     try:
         steps = [{"step": 1, "action": "drain", "instance": "gpu0"}, {"step": 2, "action": "stop", "instance": "gpu0"}]
         d = _placement_dir(tmp_path, {"steps": steps, "endpoints": {"gpu0": url}, "instances": []})
-        summary, code = apply_plan(d, opts=ApplyOptions(poll_s=0.01), out=tmp_path / "out", track=False)
+        assert main(["apply", str(d), "--no-track", "--out", str(tmp_path / "out")]) == EXIT_OK
     finally:
         srv.shutdown()
-    assert code == EXIT_OK
+    out = capsys.readouterr().out
+    assert "steps: 1 drain ok, 1 stop left" in out and "transition ok" in out
+    summary = json.loads((tmp_path / "out" / "apply.json").read_text())
     assert [s["status"] for s in summary["steps"]] == ["ok", "left"]
     assert "stop its vLLM process" in summary["steps"][1]["detail"]
 
