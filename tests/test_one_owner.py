@@ -201,7 +201,7 @@ def test_scenario_and_placement_take_the_rank_from_it():
 
     profile = "llama-3.1-8b-h100-64gb"
     sc = build_scenario(profile, [{"id": "a", "rank": 9, "rate": 1.0}, {"id": "b", "rank": 4, "rate": 1.0}])
-    assert sc.resolved_engine(load_profile(profile))["max_lora_rank"] == 16
+    assert sc.resolved_engine(load_profile(profile)).max_lora_rank == 16
     wl = workload_from_dict({"profile": profile, "adapters": [{"count": 2, "rank": 33, "rate": 0.5}]})
     assert gpu_config(wl, load_profile(profile), [33, 8], 2, 2).max_lora_rank == 64
 
