@@ -152,6 +152,11 @@ def flag_values(flags) -> dict[str, Any]:
     return {f.name: getattr(flags, f.name) for f in dataclasses.fields(EngineFlags) if hasattr(flags, f.name)}
 
 
+def serve_option(name: str) -> str:
+    """``vllm serve``'s spelling of flag ``name``: ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + name.replace("_", "-")
+
+
 def shared_flags(flags) -> dict[str, Any]:
     """:func:`flag_values` less :data:`PER_INSTANCE_FLAGS`: the flags every instance of a placement
     (or every point of a surrogate grid) shares."""

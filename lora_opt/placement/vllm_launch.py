@@ -22,7 +22,7 @@ import re
 
 from lora_opt.placement.plan import GPUConfig, Placement
 from twin.errors import ScenarioError
-from twin.flags import PER_INSTANCE_FLAGS, flag_values, release_key
+from twin.flags import PER_INSTANCE_FLAGS, flag_values, release_key, serve_option
 from twin.parsing import check_adapter_id, check_adapter_path
 from twin.paths import VLLM_SERVE_ARGS_DIR
 
@@ -90,8 +90,8 @@ def adapter_path(a) -> str:
 
 
 def engine_args(g: GPUConfig) -> list[str]:
-    """``--flag value`` for every set flag of ``g`` (``twin.flags.EngineFlags``' fields, ``_`` -> ``-``
-    as ``vllm serve`` spells them): the per-GPU flags, ``--max-model-len``, then the others in
+    """``--flag value`` for every set flag of ``g`` (``twin.flags.EngineFlags``' fields, spelled by
+    ``twin.flags.serve_option``): the per-GPU flags, ``--max-model-len``, then the others in
     ``EngineFlags``' order -- the order launch commands have always had (committed ones are compared
     argument by argument)."""
     values = flag_values(g)
@@ -99,7 +99,7 @@ def engine_args(g: GPUConfig) -> list[str]:
     args = []
     for name in first + [n for n in values if n not in first]:
         if values[name] is not None:
-            args += [f"--{name.replace('_', '-')}", str(values[name])]
+            args += [serve_option(name), str(values[name])]
     return args
 
 
