@@ -77,7 +77,7 @@ def powerlaw_split(trace: str, n_adapters: int, compress: float, seed: int):
                                                  time_scale=scale), lengths=LengthConfig(source="sharegpt"),
                           duration_s=float(np.nextafter(T, np.inf)), seed=seed)
     wl = Workload(profile=PROFILE, adapters=placeholder, evaluation=ev, engine=PlacementEngine())
-    req = workload_requests(wl, load_profile(PROFILE).model.max_model_len)
+    req = workload_requests(wl, wl.resolved_engine(load_profile(PROFILE)).max_model_len)
     half = T / 2
     first = req.arrival < half
 
@@ -109,9 +109,8 @@ def measure(p, wl, replay, T, fleet: FleetOptions, slo_ms: float) -> dict:
 def run_trace(trace, args):
     wl, replay, T, history, history_s = powerlaw_split(trace, args.adapters, args.compress, args.seed)
     prof = load_profile(PROFILE)
-    mml = prof.model.max_model_len
-    e = wl.engine
-    cap = max_loras_that_start(prof, max(RANKS), e.gpu_memory_utilization, e.max_num_batched_tokens, mml,
+    e = wl.resolved_engine(prof)
+    cap = max_loras_that_start(prof, max(RANKS), e.gpu_memory_utilization, e.max_num_batched_tokens, e.max_model_len,
                                e.max_num_seqs, 1024)
     grid = sorted({a for a in AMAX_GRID if a < cap} | {cap})
     info = {"trace": trace, "adapters": args.adapters, "compress": args.compress, "replay_s": T,

@@ -325,7 +325,7 @@ def test_open_loop_stream_matches_the_batch_twin_at_speed_10(tmp_path):
     from twin.simulate import simulate
     from twin.workload import generate_requests
     sc = scenario_from_dict(CONSISTENCY)
-    req = generate_requests(sc, sc.resolved_engine(sc.load_profile())["max_model_len"])
+    req = generate_requests(sc, sc.resolved_engine(sc.load_profile()).max_model_len)
     twin = simulate(sc, requests=req)
     want = (twin.throughput_tok_s, twin.ttft_ms["mean"], twin.itl_ms["mean"])
     quiet_miss = None
@@ -357,8 +357,8 @@ def test_aborting_running_and_waiting_requests_keeps_the_invariants():
     sc = online_scenario(scenario_from_dict(small_scenario(engine={"max_num_seqs": 4})))
     prof = sc.load_profile()
     eng = sc.resolved_engine(prof)
-    _, kv, _ = prof.startup_check(eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
-                                  eng["max_num_batched_tokens"], eng["max_model_len"], eng["max_num_seqs"])
+    _, kv, _ = prof.startup_check(eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
+                                  eng.max_num_batched_tokens, eng.max_model_len, eng.max_num_seqs)
     empty = Requests(np.zeros(0), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
     s = engine_state(sc, prof, eng, empty, kv)
     for k in range(10):

@@ -157,7 +157,7 @@ def _twin_fleet(policy: str, adapters: str):
     from twin.workload import generate_requests
     one = scenario_from_dict(INSTANCE)
     fleet_sc = scenario_from_dict({**INSTANCE, "adapters": [{**g, "rate": g["rate"] * K} for g in INSTANCE["adapters"]]})
-    req = generate_requests(fleet_sc, fleet_sc.resolved_engine(fleet_sc.load_profile())["max_model_len"])
+    req = generate_requests(fleet_sc, fleet_sc.resolved_engine(fleet_sc.load_profile()).max_model_len)
     ids, _, _ = one.adapter_table()
     n = len(ids)
     preloaded = np.zeros(0, np.int64) if adapters == "on-demand" else None

@@ -62,7 +62,7 @@ def test_invariants_hold_every_step(p):
 @given(scenarios)
 def test_finished_requests_produced_exactly_their_tokens(p):
     sc = _build(p)
-    req = generate_requests(sc, sc.resolved_engine(sc.load_profile())["max_model_len"])
+    req = generate_requests(sc, sc.resolved_engine(sc.load_profile()).max_model_len)
     res = twin.simulate(sc, requests=req)
     # completed requests' output tokens are exactly the sum of their out_len
     assert res.total_output_tokens <= int(req.out_len.sum())
@@ -82,7 +82,7 @@ def test_least_work_bounds_the_engine_time_of_finished_requests(p, load_x):
     sc = _build(p)
     prof = sc.load_profile()
     eng = sc.resolved_engine(prof)
-    req = generate_requests(sc, eng["max_model_len"])
+    req = generate_requests(sc, eng.max_model_len)
     res = twin.simulate(sc, requests=req)
     work = least_work_s(prof.latency, eng, req.in_len, req.out_len)
     assert work is not None and np.all(work > 0)
@@ -297,7 +297,7 @@ def test_pre_draw_certificate_fires_near_the_cap_and_is_sound(small, lengths):
     sc0 = scenario_from_dict(base)
     prof = sc0.load_profile()
     eng = sc0.resolved_engine(prof)
-    cap = max_token_rate(prof, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+    cap = max_token_rate(prof, eng.max_num_batched_tokens, eng.max_lora_rank, eng.max_loras)
     mean_tokens = 416.0 if lengths["source"] == "sharegpt" else 400.0
     for factor, certain in ((1.15, True), (1.02, False)):
         rate = factor * cap / sc0.rho / mean_tokens / 10              # 10 adapters
@@ -335,9 +335,9 @@ def _state(sc, requests=None):
     from twin.simulate import engine_state
     prof = sc.load_profile()
     eng = sc.resolved_engine(prof)
-    _, kv_tokens, _ = prof.startup_check(eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
-                                         eng["max_num_batched_tokens"], eng["max_model_len"], eng["max_num_seqs"])
-    req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
+    _, kv_tokens, _ = prof.startup_check(eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
+                                         eng.max_num_batched_tokens, eng.max_model_len, eng.max_num_seqs)
+    req = requests if requests is not None else generate_requests(sc, eng.max_model_len)
     return engine_state(sc, prof, eng, req, kv_tokens), req
 
 

@@ -9,7 +9,7 @@ from lora_opt.errors import BAD_INPUT, InputError
 from lora_opt.placement.plan import GPUConfig
 from lora_opt.placement.workload_file import PlacementEngine, evaluation_scenario, workload_from_dict
 from twin.errors import ScenarioError
-from twin.flags import EngineFlagChecks, EngineFlags
+from twin.flags import PER_INSTANCE_FLAGS, EngineFlagChecks, EngineFlags, flag_values, resolve_flags
 from twin.profile import EngineDefaults, load_profile, profile_from_dict, profile_to_dict
 from twin.scenario import (DEFAULT_RHO, AdapterGroup, EngineConfig, LengthConfig, Scenario, build_scenario,
                            scenario_dict, scenario_from_dict)
@@ -27,6 +27,19 @@ def test_scenario_and_placement_flags_are_engine_flags(holder):
     assert issubclass(holder, EngineFlags)
     names = [f.name for f in dataclasses.fields(holder)]
     assert names[:len(FLAGS)] == list(FLAGS)
+
+
+def test_workload_flags_are_engine_flags_less_the_per_gpu_ones():
+    """A workload's engine: section is EngineFlags (a new flag reaches it), and refuses the flags a
+    policy chooses per GPU, naming the field and the shared flags."""
+    assert issubclass(PlacementEngine, EngineFlags) and PlacementEngine.REFUSED_KEYS == PER_INSTANCE_FLAGS
+    for name in PER_INSTANCE_FLAGS:
+        with pytest.raises(InputError, match=rf"workload\.engine\.{name}: chosen for each GPU by the placement "
+                                             r"policy.*max_num_seqs, max_num_batched_tokens"):
+            workload_from_dict({"profile": P, "adapters": [{"id": "a", "rank": 8, "rate": 1}], "engine": {name: 16}})
+    wl = workload_from_dict({"profile": P, "adapters": [{"id": "a", "rank": 8, "rate": 1}]})
+    assert list(wl.to_dict()["engine"]) == ["max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                                            "max_model_len"]
 
 
 @pytest.mark.parametrize("subset", [EngineDefaults, PlacementEngine])
@@ -146,3 +159,65 @@ def test_evaluation_scenario_uses_the_workload_traffic():
                                                 duration_s=30))
     assert (sc.rho, sc.seed, sc.duration_s, sc.engine.max_loras) == (0.8, 5, 30, 1)
     assert sc.adapters[0].rate > 0 and sc.adapters[0].id == "a"
+
+
+# ---- resolution: twin.flags.resolve_flags, the one place unset flags get their values -----------
+def _resolved(engine: dict, ranks=(8,)):
+    sc = build_scenario(P, [{"rank": r, "rate": 1.0} for r in ranks], engine=engine)
+    return sc.resolved_engine(load_profile(P))
+
+
+def test_resolved_engine_fills_every_flag_from_the_profile():
+    prof, eng = load_profile(P), _resolved({"max_loras": 4}, ranks=(8, 9))
+    assert type(eng) is EngineConfig and None not in flag_values(eng).values()
+    assert flag_values(eng) == {"max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 4,
+                                "max_num_seqs": prof.defaults.max_num_seqs,
+                                "max_num_batched_tokens": prof.defaults.max_num_batched_tokens,
+                                "gpu_memory_utilization": prof.defaults.gpu_memory_utilization,
+                                "max_model_len": prof.model.max_model_len}
+
+
+def test_a_defaulted_max_num_seqs_is_clamped_to_a_smaller_budget():
+    """vLLM 0.32 lowers its default max_num_seqs to a smaller --max-num-batched-tokens rather than
+    refuse to start (EngineArgs._set_default_max_num_seqs_and_batched_tokens_args): so does the
+    twin, and the instance runs."""
+    import twin
+    assert load_profile(P).defaults.max_num_seqs == 256
+    eng = _resolved({"max_num_batched_tokens": 128})
+    assert (eng.max_num_seqs, eng.max_num_batched_tokens) == (128, 128)
+    sc = build_scenario(P, [{"rank": 8, "rate": 0.5}], engine={"max_num_batched_tokens": 128}, duration_s=20)
+    res = twin.simulate(sc)
+    assert res.status == "ok" and res.engine.max_num_seqs == 128
+
+
+def test_a_defaulted_budget_is_at_most_max_num_seqs_times_max_model_len():
+    assert _resolved({"max_num_seqs": 1, "max_model_len": 1024}).max_num_batched_tokens == 1024
+    assert _resolved({"max_num_seqs": 1, "max_model_len": 4096}).max_num_batched_tokens == 2048
+
+
+def test_a_defaulted_budget_below_an_explicit_max_num_seqs_is_kept():
+    """Not refused, as before: the calibration's real runs set max_num_seqs up to 4096 with the
+    budget left to its default, and they ran (only explicit values are compared)."""
+    eng = _resolved({"max_num_seqs": 4096})
+    assert (eng.max_num_seqs, eng.max_num_batched_tokens) == (4096, 2048)
+
+
+def test_resolution_keeps_set_flags_and_unknown_defaults_unset():
+    flags = EngineFlags(max_loras=2, max_num_seqs=64, max_num_batched_tokens=512)
+    assert resolve_flags(flags, {}) == EngineFlags(max_loras=2, max_cpu_loras=2, max_num_seqs=64,
+                                                   max_num_batched_tokens=512)
+    assert resolve_flags(flags, {"max_loras": 8, "max_num_seqs": 256}) == resolve_flags(flags, {})
+
+
+def test_a_gpu_and_a_scenario_resolve_alike():
+    """One resolution: a placement GPU's flags (policies.base.gpu_config) are those of a scenario
+    setting the same flags, every other one resolved from the profile the same way."""
+    from lora_opt.placement.policies.base import gpu_config
+    prof = load_profile(P)
+    wl = workload_from_dict({"profile": P, "adapters": [{"id": "a", "rank": 8, "rate": 1}],
+                             "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 1024}})
+    cfg = gpu_config(wl, prof, [8], 1, 4)
+    eng = _resolved({"max_loras": 4, "max_num_seqs": 128, "max_num_batched_tokens": 1024,
+                     "gpu_memory_utilization": 0.9})
+    assert flag_values(cfg) == flag_values(eng)
+    assert flag_values(wl.resolved_engine(prof)) == {**flag_values(cfg), **dict.fromkeys(PER_INSTANCE_FLAGS)}

@@ -10,6 +10,9 @@ reading a real-runs CSV (validated)    ``lora_opt/calibration/runs_csv.py`` (``l
 the smallest vLLM rank >= the ranks    ``twin/flags.py`` (``max_lora_rank_for``)
 the LoRA cost factor's extra           ``twin/profile.py`` (``lora_extra``)
 adapters -> a scenario's adapter dicts ``lora_opt/placement/workload_file.py`` (``scenario_adapters``)
+an unset engine flag's value           ``twin/flags.py`` (``resolve_flags``; the profile's defaults:
+                                       ``Profile.flag_defaults``)
+a flag's ``vllm serve`` spelling       ``twin/flags.py`` (``serve_option``)
 =====================================  ==========================================================
 
 The checks read the source (AST or text) of the product (``lora_opt/``, ``twin/``) and of the code
@@ -18,12 +21,14 @@ beside it that could grow a copy (``experiments/``, ``tools/``).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import subprocess
 import sys
 
 import pytest
 
+from twin.flags import EngineFlags, serve_option
 from twin.paths import REPO_ROOT
 
 SOURCE_DIRS = ("lora_opt", "twin", "experiments", "tools")
@@ -201,9 +206,46 @@ def test_scenario_and_placement_take_the_rank_from_it():
 
     profile = "llama-3.1-8b-h100-64gb"
     sc = build_scenario(profile, [{"id": "a", "rank": 9, "rate": 1.0}, {"id": "b", "rank": 4, "rate": 1.0}])
-    assert sc.resolved_engine(load_profile(profile))["max_lora_rank"] == 16
+    assert sc.resolved_engine(load_profile(profile)).max_lora_rank == 16
     wl = workload_from_dict({"profile": profile, "adapters": [{"count": 2, "rank": 33, "rate": 0.5}]})
     assert gpu_config(wl, load_profile(profile), [33, 8], 2, 2).max_lora_rank == 64
+
+
+# --- an unset engine flag's value: twin.flags.resolve_flags --------------------------------------
+
+#: readers of flag defaults outside the resolution, each for a reason: the calibration makes a
+#: profile, and its real runs record no budget (the model table's default is theirs)
+KNOWN_DEFAULT_READERS = {"lora_opt/calibration/step_fit_v1.py", "lora_opt/calibration/memory_check.py"}
+
+
+def test_unset_flags_are_resolved_in_one_place():
+    """The profile's flag defaults (and the model's context as max_model_len) are read by
+    ``Profile.flag_defaults`` alone, and filled in by ``resolve_flags`` alone: a scenario's, a
+    workload's and a placement GPU's flags resolve alike (tests/test_flags.py checks they agree)."""
+    pattern = re.compile(r"\.model\.max_model_len\b|\.defaults\.(max_\w+|gpu_memory_utilization)\b")
+    where = {rel for rel, text in _sources().items() if rel != "twin/profile.py" and pattern.search(text)}
+    assert where - KNOWN_DEFAULT_READERS == set(), "resolve flags with Scenario/Workload.resolved_engine"
+    assert KNOWN_DEFAULT_READERS <= where, f"fixed: remove {sorted(KNOWN_DEFAULT_READERS - where)}"
+    assert _defined_in({"resolve_flags", "flag_defaults"}) == {"resolve_flags": ["twin/flags.py"],
+                                                               "flag_defaults": ["twin/profile.py"]}
+
+
+# --- a flag's vllm serve spelling: twin.flags.serve_option ---------------------------------------
+
+#: files that spell engine flags as options by hand, each for a reason: the probe reads a launch
+#: command's flags into real-runs CSV columns (no max_model_len column) and offers its own options
+KNOWN_OPTION_SPELLERS = {"lora_opt/probe/run.py", "lora_opt/probe/launch.py", "lora_opt/probe/compare.py",
+                         "lora_opt/cli/probe.py"}
+
+
+def test_flags_are_spelled_as_options_in_one_place():
+    """``serve_command`` (launch scripts) and ``lora-opt emulate`` (vLLM's own flags) take each
+    option's spelling from ``serve_option``: a new EngineFlags field reaches both."""
+    options = "|".join(re.escape(serve_option(f.name)) for f in dataclasses.fields(EngineFlags))
+    pattern = re.compile(rf"[\"']({options})[\"']")
+    where = {rel for rel, text in _sources(PRODUCT_DIRS).items() if pattern.search(text)}
+    assert where - KNOWN_OPTION_SPELLERS == set(), "spell a flag with twin.flags.serve_option"
+    assert KNOWN_OPTION_SPELLERS <= where, f"fixed: remove {sorted(KNOWN_OPTION_SPELLERS - where)}"
 
 
 # --- the LoRA cost factor: jump + slope*n/(1 + n/n_sat) ------------------------------------------

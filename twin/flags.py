@@ -5,8 +5,12 @@ and ``SchedulerConfig`` in ``vllm/config/``).
 vLLM's default in the docstring under each field -- and :meth:`EngineFlagChecks.validate` holds
 every check on them, the per-field ones and the cross-field rules vLLM enforces at start-up
 (``max_cpu_loras >= max_loras``, ``max_num_batched_tokens >= max_num_seqs``).  A flag left None
-is unset (vLLM's, or the profile's, default applies) and is not checked: the rules compare the
-flags a file sets, not the profile's defaults filled in later (``Scenario.resolved_engine``).
+is unset (vLLM's, or the profile's, default applies) and is not checked.  :func:`resolve_flags` is the
+one resolution of unset flags -- the defaults of a (model, GPU, vLLM version), then vLLM's own rules
+for the flags it derives from others -- and every resolved set of flags (a scenario's
+``Scenario.resolved_engine``, a placement's per-GPU ``policies.base.gpu_config``) comes from it;
+:func:`flag_values` is the one walk over the flags (resolution, per-GPU flags, launch commands), so a
+field added to :class:`EngineFlags` reaches all of them (``tests/test_extension_points.py``).
 
 Four places hold engine flags, each in the form its file has always had (their YAML/JSON keys are
 part of the user-facing formats and do not change):
@@ -15,23 +19,32 @@ part of the user-facing formats and do not change):
   twin's adapter-cache eviction policy (a what-if knob, not a vLLM flag);
 * a placement's per-GPU flags -- ``lora_opt.placement.plan.GPUConfig``, *is* ``EngineFlags`` with
   every flag required (placement.json pins them all so launch never depends on a vLLM default);
-* a profile's ``defaults:`` -- ``twin.profile.EngineDefaults``, and a workload's ``engine:`` --
-  ``lora_opt.placement.workload_file.PlacementEngine``: *typed subsets* (only the flags a profile
-  gives defaults for / the flags every GPU of a placement shares, with concrete defaults).  They
-  cannot subclass ``EngineFlags``, whose other fields would become keys of their files; they
-  inherit :class:`EngineFlagChecks` instead, so the same validator checks whichever flags they have.
-  ``tests/test_flags.py`` keeps every subset's fields a subset of ``EngineFlags``'s.
+* a workload's ``engine:`` -- ``lora_opt.placement.workload_file.PlacementEngine``, *is*
+  ``EngineFlags`` with the surrogates' concrete defaults, less :data:`PER_INSTANCE_FLAGS` (a policy
+  chooses those per GPU; a workload file setting one is refused);
+* a profile's ``defaults:`` -- ``twin.profile.EngineDefaults``: a *typed subset* (only the flags a
+  profile records defaults for).  It cannot subclass ``EngineFlags``, whose other fields would
+  become keys of profile files; it inherits :class:`EngineFlagChecks` instead, so the same validator
+  checks whichever flags it has.  ``tests/test_flags.py`` keeps its fields a subset of ``EngineFlags``'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from twin.errors import ScenarioError
 from twin.parsing import check_choice
 
 #: ``--max-lora-rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+#: the flags chosen for each instance from the adapters it serves -- A_max, the rank that holds them,
+#: the CPU cache -- by a placement policy or a surrogate grid point: a workload's or a grid's shared
+#: ``engine:`` section cannot set them
+PER_INSTANCE_FLAGS = ("max_loras", "max_lora_rank", "max_cpu_loras")
 
 #: integer flags that must be >= 1 when set, in the order they are checked
 _AT_LEAST_ONE = ("max_loras", "max_num_seqs", "max_num_batched_tokens", "max_cpu_loras", "max_model_len")
@@ -127,3 +140,53 @@ class EngineFlags(EngineFlagChecks):
     max_model_len: int | None = None
     """``--max-model-len``, >= 1.  vLLM's default: the model's context; start-up needs KV cache
     for one request of this length."""
+
+
+FlagsT = TypeVar("FlagsT", bound=EngineFlags)
+
+
+def flag_values(flags) -> dict[str, Any]:
+    """Flag name -> value of every :class:`EngineFlags` field ``flags`` has (``EngineFlags``, a
+    subclass, or a typed subset such as ``EngineDefaults``), in ``EngineFlags``' field order: the one
+    walk over the flags."""
+    return {f.name: getattr(flags, f.name) for f in dataclasses.fields(EngineFlags) if hasattr(flags, f.name)}
+
+
+def serve_option(name: str) -> str:
+    """``vllm serve``'s spelling of flag ``name``: ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + name.replace("_", "-")
+
+
+def shared_flags(flags) -> dict[str, Any]:
+    """:func:`flag_values` less :data:`PER_INSTANCE_FLAGS`: the flags every instance of a placement
+    (or every point of a surrogate grid) shares."""
+    return {name: value for name, value in flag_values(flags).items() if name not in PER_INSTANCE_FLAGS}
+
+
+def resolve_flags(flags: FlagsT, defaults: Mapping[str, Any]) -> FlagsT:
+    """``flags`` (of its own type) with every unset flag filled in, as vLLM fills them at start-up:
+
+    1. a flag ``defaults`` has a value for takes it (a profile's defaults for its model, GPU and
+       vLLM version: ``Profile.flag_defaults``);
+    2. ``max_cpu_loras``: ``max_loras`` (vLLM's ``LoRAConfig``);
+    3. ``max_num_seqs`` left to its default is at most the given ``max_num_batched_tokens`` -- vLLM
+       clamps its default (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``, 0.32)
+       rather than refuse to start;
+    4. ``max_num_batched_tokens`` left to its default is at most ``max_num_seqs x max_model_len``
+       (vLLM's ``SchedulerConfig``).
+
+    A flag with no default anywhere stays None.  The flags a file *sets* are checked where it is read
+    (:meth:`EngineFlagChecks.validate`): only an explicit ``max_num_batched_tokens`` below an
+    explicit ``max_num_seqs`` is refused, as vLLM refuses it; a defaulted budget below an explicit
+    ``max_num_seqs`` is kept as it is (the calibration's real vLLM 0.8.5 runs set ``max_num_seqs``
+    up to 4096 and left the budget to its default, and they started)."""
+    given = flag_values(flags)
+    out = {name: defaults.get(name) if value is None else value for name, value in given.items()}
+    if given.get("max_cpu_loras", 0) is None:
+        out["max_cpu_loras"] = out.get("max_loras")
+    seqs, tokens, model_len = (out.get(n) for n in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
+    if given.get("max_num_seqs", 0) is None and seqs is not None and given.get("max_num_batched_tokens") is not None:
+        out["max_num_seqs"] = min(seqs, tokens)
+    elif given.get("max_num_batched_tokens", 0) is None and None not in (seqs, tokens, model_len):
+        out["max_num_batched_tokens"] = min(tokens, seqs * model_len)
+    return dataclasses.replace(flags, **out)

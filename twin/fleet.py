@@ -129,7 +129,7 @@ def _boot(engines: list[FleetEngine], profile: Profile, requests: Requests) -> _
     boot = []
     for fe in engines:
         sc = fe.scenario
-        key = (sc.duration_s, sc.rho, sc.timeseries_interval_s, tuple(sc.resolved_engine(profile).items()))
+        key = (sc.duration_s, sc.rho, sc.timeseries_interval_s, sc.resolved_engine(profile))
         if key not in booted:
             booted[key] = simulate(sc, profile, requests=_empty())
         boot.append(booted[key])
@@ -143,7 +143,7 @@ def _boot(engines: list[FleetEngine], profile: Profile, requests: Requests) -> _
     longest = np.zeros(serves.shape[1], np.int64)
     np.maximum.at(longest, requests.adapter, tokens)
     for e in live:
-        mml = boot[e].engine["max_model_len"]
+        mml = boot[e].engine.max_model_len
         worst = int(longest[can[e]].max(initial=0))
         if worst > mml:
             raise ScenarioError(f"requests: a request of {worst} tokens exceeds max_model_len {mml} of instance {e}")
@@ -179,7 +179,7 @@ def _route_in_python(fleet: _Fleet, engines, requests: Requests, router: Router,
         inv = np.full(max(1, int(serves[e].max(initial=-1)) + 1), -1, np.int64)
         inv[serves[e][serves[e] >= 0]] = np.flatnonzero(serves[e] >= 0)
         adapters_of.append(inv)
-    scraper = _Scraper(n, np.array([b.engine.get("max_loras", 0) for b in fleet.boot], np.int64), adapters_of)
+    scraper = _Scraper(n, np.array([b.engine.max_loras for b in fleet.boot], np.int64), adapters_of)
     view = scraper.view
     live_mask = np.ones(len(live), np.bool_)
     engine_of = np.full(len(requests), -1, np.int64)
@@ -217,7 +217,7 @@ def _route_compiled(fleet: _Fleet, engines, requests: Requests, router: Router, 
     sizes = np.array([len(c) for c in fleet.candidates], np.int64)
     cand_ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     cand_idx = np.concatenate([slot[c] for c in fleet.candidates] + [np.zeros(0, np.int64)]).astype(np.int64)
-    max_loras = np.array([fleet.boot[e].engine["max_loras"] for e in fleet.live], np.int64)
+    max_loras = np.array([fleet.boot[e].engine.max_loras for e in fleet.live], np.int64)
     table = (np.ascontiguousarray(fleet.serves[live]), cand_ptr, cand_idx, max_loras)
     reqs = (np.ascontiguousarray(requests.arrival, np.float64), np.ascontiguousarray(requests.adapter, np.int64),
             np.ascontiguousarray(requests.in_len, np.int64), np.ascontiguousarray(requests.out_len, np.int64))

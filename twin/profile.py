@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from twin.errors import ScenarioError
-from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
+from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks, flag_values  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
 from twin.parsing import read_config_file
 from twin.paths import bundled_names, resolve_bundled
 
@@ -312,6 +312,11 @@ class Profile:
     """Provenance: data files, command, date, goodness of fit."""
     source: str = ""
     """Where the profile was loaded from."""
+
+    def flag_defaults(self) -> dict[str, Any]:
+        """Flag name -> this (model, GPU, vLLM version)'s default: ``defaults:``, and the model's
+        context as ``max_model_len`` (what ``twin.flags.resolve_flags`` fills unset flags from)."""
+        return {**flag_values(self.defaults), "max_model_len": self.model.max_model_len}
 
     # ---- memory -------------------------------------------------------------------------------
     def slot_bytes(self, max_lora_rank: int) -> float:

@@ -19,7 +19,7 @@ from twin.adapter_cache import POLICIES as CACHE_POLICIES
 from twin.arrivals import PROCESSES
 from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
-from twin.flags import EngineFlags, check_rank, max_lora_rank_for
+from twin.flags import EngineFlags, check_rank, max_lora_rank_for, resolve_flags
 from twin.parsing import build_dataclass, check_adapter_id, check_choice, check_positive, read_config_file
 from twin.paths import resolve_bundled
 from twin.profile import Profile, load_profile
@@ -171,25 +171,12 @@ class Scenario:
                 rates.append(g.rate)
         return ids, ranks, rates
 
-    def resolved_engine(self, profile: Profile) -> dict[str, Any]:
-        """Engine flags with the profile's defaults filled in."""
-        e, d = self.engine, profile.defaults
+    def resolved_engine(self, profile: Profile) -> EngineConfig:
+        """The engine's flags with every unset one filled in (``twin.flags.resolve_flags``) from the
+        profile's defaults, ``max_lora_rank`` excepted: the smallest vLLM value that holds every
+        adapter, not the profile's (vLLM refuses an adapter above it)."""
         _, ranks, _ = self.adapter_table()
-        max_rank = e.max_lora_rank
-        if max_rank is None:
-            max_rank = max_lora_rank_for(ranks)
-        max_loras = e.max_loras if e.max_loras is not None else d.max_loras
-        return dict(
-            max_loras=max_loras, max_lora_rank=max_rank,
-            max_cpu_loras=e.max_cpu_loras if e.max_cpu_loras is not None else max_loras,
-            max_num_seqs=e.max_num_seqs if e.max_num_seqs is not None else d.max_num_seqs,
-            max_num_batched_tokens=(e.max_num_batched_tokens if e.max_num_batched_tokens is not None
-                                    else d.max_num_batched_tokens),
-            gpu_memory_utilization=(e.gpu_memory_utilization if e.gpu_memory_utilization is not None
-                                    else d.gpu_memory_utilization),
-            max_model_len=e.max_model_len if e.max_model_len is not None else profile.model.max_model_len,
-            adapter_cache_policy=e.adapter_cache_policy,
-        )
+        return resolve_flags(self.engine, {**profile.flag_defaults(), "max_lora_rank": max_lora_rank_for(ranks)})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

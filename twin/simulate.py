@@ -20,7 +20,7 @@ from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
 from twin.errors import ScenarioError
 from twin.engine_state import Config, EarlyStop, EngineState, KernelRun, Latency, make_state
 from twin.profile import Profile
-from twin.scenario import Scenario
+from twin.scenario import EngineConfig, Scenario
 from twin.weighted_sort import sorted_pairs
 from twin.workload import Requests, generate_requests
 
@@ -89,7 +89,8 @@ class Result:
     arrived: int = 0
     dropped: int = 0
     wall_s: float = 0.0
-    engine: dict = field(default_factory=dict)
+    engine: EngineConfig | None = None
+    """The flags the instance ran with, every default filled in (``Scenario.resolved_engine``)."""
     timeseries: dict[str, np.ndarray] | None = None
     samples: dict[str, np.ndarray] | None = None
     """Raw latencies, so results of several GPUs combine exactly: ``ttft_ms`` (per completed
@@ -148,7 +149,7 @@ def kernel_latency(lat, max_lora_rank: int, max_loras: int) -> Latency:
         lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above, lora.token_ms, lora.token_above)
 
 
-def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
+def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
     """Least engine time (s) any schedule spends on each request under the profile's step model,
     or None when a negative coefficient makes a lower bound from it unsafe.  Every step runs
     >= 1 adapter (LoRA factor >= the one-adapter extra e), so a request costs at least: its
@@ -157,13 +158,13 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
     reads in_len + k - 1 tokens); and its share of the fixed cost of steps that carry at most
     max_num_batched_tokens tokens; and the per-token LoRA cost of every token it puts in a step.
     Adapter loads, scheduler terms per request and preemptions only add."""
-    lora = lat.lora_for_rank(eng["max_lora_rank"])
+    lora = lat.lora_for_rank(eng.max_lora_rank)
     coefs = (lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lat.sched_base_ms,
              lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share,
              lora.share_above, lora.token_ms, lora.token_above)
     if min(coefs) < 0 or not (0.0 <= lora.slot_share <= 1.0):
         return None
-    e = lora.extra(1, eng["max_loras"])
+    e = lora.extra(1, eng.max_loras)
     slot = lat.per_seq_ms * (1.0 + e)
     # a step's prefill tokens pay one of two shares (the knee): the smaller one bounds from below
     tok = lat.per_token_ms * (1.0 + min(lora.prefill_share, lora.share_above) * e)
@@ -173,7 +174,7 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
     processed = i + dec
     ms = (slot * o + tok * (i - 1.0)) if slot >= tok else slot * processed
     ms = ms + (1.0 + e) * lat.per_ctx_ktoken_ms / 1000.0 * (dec * i + dec * (dec - 1.0) / 2.0)
-    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms) * processed / eng["max_num_batched_tokens"]
+    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms) * processed / eng.max_num_batched_tokens
     # every token it puts in a step pays the per-token LoRA cost (the cheaper side of the knee)
     ms = ms + min(lora.token_ms, lora.token_above) * processed
     return ms / 1000.0
@@ -183,7 +184,7 @@ def least_work_s(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray) -> np.
 NO_WORK_BOUND = (np.zeros(0, np.int32), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.zeros(0))
 
 
-def work_buckets(lat, eng: dict, in_len: np.ndarray, out_len: np.ndarray):
+def work_buckets(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray):
     """The early stop's work bound: (bucket of each request, its least work in s, per-bucket sums of
     least work and tokens, per-bucket highest tokens per second of least work), buckets in
     decreasing order of that ratio.  Empty arrays when unsafe (see least_work_s)."""
@@ -215,7 +216,7 @@ CERTAIN_LOG_ODDS = math.log(1e12)
 SHAREGPT_MEAN_SAFETY = 0.99
 
 
-def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: bool, grace_s: float = 0.0):
+def _certain_without_replay(sc: Scenario, profile: Profile, eng: EngineConfig, starts: bool, grace_s: float = 0.0):
     """(expected requests, expected tokens) when the outcome is certain before any request is
     drawn, else None.  Only for ``early_stop`` scenarios with Poisson arrivals, no client cap and a
     length model of known mean and maximum whose requests fit ``max_model_len`` unshortened.  An
@@ -248,9 +249,9 @@ def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: b
     tokens = n_req * mean_tokens
     if not starts:
         return int(round(n_req)), tokens
-    if max_tokens > eng["max_model_len"]:          # requests would be shortened: lengths unknown
+    if max_tokens > eng.max_model_len:          # requests would be shortened: lengths unknown
         return None
-    cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+    cap = max_token_rate(profile, eng.max_num_batched_tokens, eng.max_lora_rank, eng.max_loras)
     due = max(0.0, 1.0 - grace_s / sc.duration_s)       # share of the window whose requests count
     expected = n_req * due                               # L
     if expected <= 0:
@@ -262,7 +263,7 @@ def _certain_without_replay(sc: Scenario, profile: Profile, eng: dict, starts: b
 
 
 def _unserved(status: str, T: float, incoming: float, starving: bool, kv_tokens, stopped_early_s, reason: str,
-              arrived: int, t_wall: float, eng: dict) -> Result:
+              arrived: int, t_wall: float, eng: EngineConfig) -> Result:
     """The result of a run in which nothing is served: an OOM at start-up, or starvation certain
     before the first step."""
     null = {"mean": None, "median": None, "p99": None}
@@ -279,7 +280,7 @@ def _unserved(status: str, T: float, incoming: float, starving: bool, kv_tokens,
 NO_CLIENT_CAP = 2**62
 
 
-def _early_stop(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tokens: int,
+def _early_stop(sc: Scenario, profile: Profile, eng: EngineConfig, req: Requests, kv_tokens: int,
                 stop_grace_s: float) -> EarlyStop:
     """The kernel's early-stop inputs (target 0 = off; see ``simulate``'s ``stop_grace_s``)."""
     if not (sc.early_stop and len(req)):
@@ -291,11 +292,11 @@ def _early_stop(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tok
     T = sc.duration_s
     stop_target = sc.rho * (int(tok.sum()) if stop_grace_s <= 0 else
                             int(tok[req.arrival < T - stop_grace_s].sum()))
-    cap = max_token_rate(profile, eng["max_num_batched_tokens"], eng["max_lora_rank"], eng["max_loras"])
+    cap = max_token_rate(profile, eng.max_num_batched_tokens, eng.max_lora_rank, eng.max_loras)
     return EarlyStop(stop_target, cap, factor, kv_tokens, *work_buckets(profile.latency, eng, req.in_len, req.out_len))
 
 
-def engine_state(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_tokens: int,
+def engine_state(sc: Scenario, profile: Profile, eng: EngineConfig, req: Requests, kv_tokens: int,
                  stop_grace_s: float = 0.0, preloaded: np.ndarray | None = None) -> EngineState:
     """The engine kernel's state at t = 0 for ``req`` (see ``twin.engine``: ``run_engine`` runs it
     to the end, ``step`` one scheduler step at a time; an online engine starts from no requests
@@ -304,18 +305,18 @@ def engine_state(sc: Scenario, profile: Profile, eng: dict, req: Requests, kv_to
     _, ranks, _ = sc.adapter_table()
     cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
     disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])
-    residency = _initial_residency(len(ranks), eng["max_loras"], eng["max_cpu_loras"], preloaded)
+    residency = _initial_residency(len(ranks), eng.max_loras, eng.max_cpu_loras, preloaded)
     block = profile.memory.block_size
     cfg = Config(
-        max_loras=eng["max_loras"], max_cpu_loras=eng["max_cpu_loras"], max_num_seqs=eng["max_num_seqs"],
-        max_num_batched_tokens=eng["max_num_batched_tokens"], kv_blocks=kv_tokens // block, block_size=block,
+        max_loras=eng.max_loras, max_cpu_loras=eng.max_cpu_loras, max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens, kv_blocks=kv_tokens // block, block_size=block,
         lora_set_rule=LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
         reserve_full_prompt=profile.reserve_full_prompt, chunked_prefill=profile.chunked_prefill,
-        cache_policy=POLICIES[eng["adapter_cache_policy"]].code, duration=float(sc.duration_s),
+        cache_policy=POLICIES[eng.adapter_cache_policy].code, duration=float(sc.duration_s),
         max_inflight=sc.client.max_inflight if sc.client.max_inflight is not None else NO_CLIENT_CAP,
         drop_overflow=sc.client.overflow == "drop", ts_interval=sc.timeseries_interval_s)
     return make_state((req.arrival, req.in_len, req.out_len, req.adapter), cpu_ms, disk_ms, residency, cfg,
-                      kernel_latency(profile.latency, eng["max_lora_rank"], eng["max_loras"]),
+                      kernel_latency(profile.latency, eng.max_lora_rank, eng.max_loras),
                       _early_stop(sc, profile, eng, req, kv_tokens, stop_grace_s))
 
 
@@ -331,12 +332,12 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     profile = profile or sc.load_profile()
     eng = sc.resolved_engine(profile)
     starts, kv_tokens, reason = profile.startup_check(
-        eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
-        eng["max_num_batched_tokens"], eng["max_model_len"], eng["max_num_seqs"])
-    if not profile.chunked_prefill and eng["max_num_batched_tokens"] < eng["max_model_len"]:
+        eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
+        eng.max_num_batched_tokens, eng.max_model_len, eng.max_num_seqs)
+    if not profile.chunked_prefill and eng.max_num_batched_tokens < eng.max_model_len:
         raise ScenarioError(
-            f"engine.max_num_batched_tokens: {eng['max_num_batched_tokens']} < max_model_len "
-            f"{eng['max_model_len']}; vLLM {profile.vllm_version} without chunked prefill requires "
+            f"engine.max_num_batched_tokens: {eng.max_num_batched_tokens} < max_model_len "
+            f"{eng.max_model_len}; vLLM {profile.vllm_version} without chunked prefill requires "
             "max_num_batched_tokens >= max_model_len")
     T = sc.duration_s
     if requests is None and sc.early_stop:
@@ -345,11 +346,11 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
             n_req, tokens = certain
             return _unserved("ok" if starts else "oom", T, tokens / T, True, kv_tokens,
                              0.0 if starts else None, reason, n_req, t_wall, eng)
-    req = requests if requests is not None else generate_requests(sc, eng["max_model_len"])
+    req = requests if requests is not None else generate_requests(sc, eng.max_model_len)
     tok = req.in_len + req.out_len
-    if len(req) and int(tok.max()) > eng["max_model_len"]:
+    if len(req) and int(tok.max()) > eng.max_model_len:
         raise ScenarioError(f"requests: a request of {int(tok.max())} tokens exceeds "
-                            f"max_model_len {eng['max_model_len']}")
+                            f"max_model_len {eng.max_model_len}")
     arrived_tokens = int(tok.sum())
     incoming = arrived_tokens / T
     if not starts:
@@ -360,7 +361,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     return run_result(sc, profile, eng, req, out, kv_tokens, timeseries=timeseries, t_wall=t_wall)
 
 
-def run_result(sc: Scenario, profile: Profile, eng: dict, req: Requests, out: KernelRun, kv_tokens: int, *,
+def run_result(sc: Scenario, profile: Profile, eng: EngineConfig, req: Requests, out: KernelRun, kv_tokens: int, *,
                timeseries: bool = False, t_wall: float | None = None) -> Result:
     """The :class:`Result` of a kernel run: ``out`` (``twin.engine_state.results``) of a state that
     held the requests ``req`` (in its order) -- ``simulate``'s engine, or one engine of a fleet

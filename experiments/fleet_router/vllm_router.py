@@ -291,7 +291,7 @@ def main() -> None:
     scenario.write_text(yaml.safe_dump(inst))
     one = scenario_from_dict(inst)
     fleet = scenario_from_dict({**inst, "adapters": [{**g, "rate": g["rate"] * a.instances} for g in inst["adapters"]]})
-    req = generate_requests(fleet, fleet.resolved_engine(fleet.load_profile())["max_model_len"])
+    req = generate_requests(fleet, fleet.resolved_engine(fleet.load_profile()).max_model_len)
     ids = list(one.adapter_table()[0])
     command = "python experiments/fleet_router/vllm_router.py " + shlex.join(sys.argv[1:])
     t0 = time.time()

@@ -151,7 +151,7 @@ def consistency(speed: float, scenario: dict = CONSISTENCY_SCENARIO) -> dict:
     ``twin.simulate`` on the same requests: (twin, emulator, emulator / twin) for throughput, mean
     TTFT and mean ITL."""
     sc = scenario_from_dict(scenario)
-    req = generate_requests(sc, sc.resolved_engine(sc.load_profile())["max_model_len"])
+    req = generate_requests(sc, sc.resolved_engine(sc.load_profile()).max_model_len)
     twin = simulate(sc, requests=req)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "consistency.yaml")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from lora_opt.cli.conventions import SCRAPE_DEFAULT_S, finite_float, int_range, verbosity
+from twin.flags import EngineFlags, serve_option
 from twin.profile import bundled_profiles
 from twin.routers import ADAPTER_MODES, ROUTERS
 
@@ -27,10 +28,10 @@ def register(sub) -> None:
     e.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="the adapters (vLLM's flag; rank from PATH/adapter_config.json, else --max-lora-rank)")
     count = int_range(1, 10_000_000)
-    for flag, typ in (("--max-loras", count), ("--max-lora-rank", count), ("--max-cpu-loras", count),
-                      ("--max-num-seqs", count), ("--max-num-batched-tokens", count),
-                      ("--gpu-memory-utilization", finite_float(0.0, 1.0, lo_open=True)), ("--max-model-len", count)):
-        e.add_argument(flag, type=typ, help="vLLM's flag (default: the profile's)")
+    fraction = finite_float(0.0, 1.0, lo_open=True)
+    for f in dataclasses.fields(EngineFlags):      # vLLM's own flags; the one float flag is a fraction
+        e.add_argument(serve_option(f.name), type=fraction if "float" in str(f.type) else count,
+                       help="vLLM's flag (default: the profile's)")
     e.add_argument("--served-model-name", help="the base model's name in the API (default: the profile's model)")
     e.add_argument("--model", metavar="MODEL_DIR",
                    help="the model directory vllm serve is given: its config.json's vocab_size (token ids beyond it are "
@@ -119,8 +120,7 @@ def _specs(args, files=None):
         if args.lengths:
             specs = [with_lengths(s, args.lengths) for s in specs]
     elif args.profile:
-        engine = {k: getattr(args, k) for k in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs",
-                                                 "max_num_batched_tokens", "gpu_memory_utilization", "max_model_len")}
+        engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineFlags)}
         if engine["max_model_len"] is None and files is not None and files.max_position_embeddings:
             engine["max_model_len"] = files.max_position_embeddings     # vLLM's default: the model's context
         specs = [spec_from_flags(args.profile, args.lora_modules, engine, port=args.port, host=host,

@@ -33,9 +33,9 @@ def print_summary(res, sc, out=None) -> None:
     """The human-readable summary of one simulation result (to ``out``, default: stdout as it is now)."""
     w = (out or sys.stdout).write
     e = res.engine
-    w(f"profile {sc.profile}   max_loras {e['max_loras']}   max_lora_rank {e['max_lora_rank']}   "
-      f"max_cpu_loras {e['max_cpu_loras']}   max_num_seqs {e['max_num_seqs']}   "
-      f"max_num_batched_tokens {e['max_num_batched_tokens']}\n")
+    w(f"profile {sc.profile}   max_loras {e.max_loras}   max_lora_rank {e.max_lora_rank}   "
+      f"max_cpu_loras {e.max_cpu_loras}   max_num_seqs {e.max_num_seqs}   "
+      f"max_num_batched_tokens {e.max_num_batched_tokens}\n")
     if res.status == "oom":
         w(f"verdict     FAILS TO START: OOM at start-up: {res.oom_reason}\n")
         w(f"incoming    {res.incoming_token_rate:,.0f} tok/s over {res.arrived} requests -- nothing served\n")

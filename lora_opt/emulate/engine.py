@@ -41,7 +41,7 @@ from twin.engine_online import (
 )
 from twin.engine_state import add_request
 from twin.profile import Profile
-from twin.scenario import AdapterGroup, Scenario
+from twin.scenario import AdapterGroup, EngineConfig, Scenario
 from twin.simulate import engine_state
 from twin.workload import Requests, draw_lengths
 
@@ -113,11 +113,11 @@ class OnlineEngine:
     it when its client goes away.  ``observer`` (optional) gets ``first_token(req, ttft)``,
     ``token(req, itl)``, ``queued(req, queue_s)``, ``finished(req)`` in simulated seconds."""
 
-    def __init__(self, sc: Scenario, profile: Profile, eng: dict, kv_tokens: int, *, speed: float = 1.0,
+    def __init__(self, sc: Scenario, profile: Profile, eng: EngineConfig, kv_tokens: int, *, speed: float = 1.0,
                  seed: int = 0, observer=None, runtime_slots: int = 0, preloaded: list[int] | None = None):
         """``preloaded``: indices into ``sc.adapters`` of the adapters loaded at start-up
         (``--lora-modules``, in order; the others are loaded on first use); None: all of them."""
-        self.sc = online_scenario(sc, runtime_slots, eng["max_lora_rank"])
+        self.sc = online_scenario(sc, runtime_slots, eng.max_lora_rank)
         self.profile, self.eng, self.speed = profile, eng, float(speed)
         empty = Requests(arrival=np.zeros(0), adapter=np.zeros(0, np.int32), in_len=np.zeros(0, np.int32),
                          out_len=np.zeros(0, np.int32))
@@ -157,7 +157,7 @@ class OnlineEngine:
     def draw_output_len(self, max_tokens: int) -> int:
         """An output length from the scenario's length model (the request may stop before
         ``max_tokens``: an EOS), at most ``max_tokens``."""
-        _, out = draw_lengths(self.sc, self.rng, 1, self.eng["max_model_len"])
+        _, out = draw_lengths(self.sc, self.rng, 1, self.eng.max_model_len)
         return int(min(int(out[0]), max_tokens))
 
     def submit(self, prompt_tokens: int, out_len: int, adapter: int, sent_wall: float | None = None) -> EmuRequest:

@@ -22,7 +22,7 @@ from lora_opt.placement.workload_file import scenario_adapters
 from twin.fleet import SCRAPE_INTERVAL_S, check_adapter_mode
 from twin.flags import VLLM_LORA_RANKS, max_lora_rank_for
 from twin.profile import LoadingSpec
-from twin.scenario import Scenario, build_scenario, load_scenario, replace
+from twin.scenario import EngineConfig, Scenario, build_scenario, load_scenario, replace
 
 #: adapters an instance can load at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING) beyond those it started with
 RUNTIME_LORA_SLOTS = 32
@@ -71,13 +71,13 @@ class InstanceSpec:
         return f"http://{self.host}:{self.port}/v1"
 
 
-def _vllm_oom_message(reason: str, eng: dict) -> str:
+def _vllm_oom_message(reason: str, eng: EngineConfig) -> str:
     if reason.startswith("LoRA slots"):
         return ("torch.OutOfMemoryError: CUDA out of memory while allocating the LoRA buffers "
-                f"(--max-loras {eng['max_loras']} --max-lora-rank {eng['max_lora_rank']}). "
+                f"(--max-loras {eng.max_loras} --max-lora-rank {eng.max_lora_rank}). "
                 f"[lora-opt's memory model: {reason}]")
     return ("ValueError: To serve at least one request with the models's max seq len "
-            f"({eng['max_model_len']}), more KV cache memory is needed than is available. Try increasing "
+            f"({eng.max_model_len}), more KV cache memory is needed than is available. Try increasing "
             "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine. "
             f"[lora-opt's memory model: {reason}]")
 
@@ -88,12 +88,12 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
     profile = sc.load_profile()
     eng = sc.resolved_engine(profile)
     starts, kv_tokens, reason = profile.startup_check(
-        eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"], eng["max_num_batched_tokens"],
-        eng["max_model_len"], eng["max_num_seqs"])
+        eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization, eng.max_num_batched_tokens,
+        eng.max_model_len, eng.max_num_seqs)
     if not spec.enable_lora:
         profile, kv_tokens, ids = _without_lora(profile, eng)
-        starts = kv_tokens >= eng["max_model_len"]
-        reason = f"KV cache holds {max(kv_tokens, 0)} tokens < max_model_len {eng['max_model_len']}"
+        starts = kv_tokens >= eng.max_model_len
+        reason = f"KV cache holds {max(kv_tokens, 0)} tokens < max_model_len {eng.max_model_len}"
     if not starts:
         raise StartupError(f"{spec.name}: {_vllm_oom_message(reason, eng)}")
     preloaded = None
@@ -105,22 +105,22 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
     model = spec.served_model_name or profile.model.name
     spares = RUNTIME_LORA_SLOTS if runtime_lora_updating else 0
     # engine index 0: base-model requests; 1..spares: slots for adapters loaded at run time
-    metrics = EngineMetrics(model, [f"{RUNTIME_ID}{k}" for k in range(spares)] + list(ids), eng["max_loras"])
+    metrics = EngineMetrics(model, [f"{RUNTIME_ID}{k}" for k in range(spares)] + list(ids), eng.max_loras)
     engine = OnlineEngine(sc, profile, eng, kv_tokens, speed=speed, seed=seed, observer=metrics,
                           runtime_slots=spares, preloaded=preloaded)
     return Instance(engine=engine, model=model, adapters={a: k + 1 + spares for k, a in enumerate(ids)},
-                    vllm_version=profile.vllm_version, metrics=metrics, max_model_len=eng["max_model_len"],
+                    vllm_version=profile.vllm_version, metrics=metrics, max_model_len=eng.max_model_len,
                     runtime_lora_updating=runtime_lora_updating, free_slots=list(range(1, 1 + spares)))
 
 
-def _without_lora(profile, eng: dict):
+def _without_lora(profile, eng: EngineConfig):
     """vLLM without ``--enable-lora``: no LoRA kernels (no LoRA cost), no slots (all memory after the
     activations goes to KV), no adapter loads; the kernel's base-model adapter carries the requests."""
     zero = {r: 0.0 for r in VLLM_LORA_RANKS}
     profile = dataclasses.replace(profile, latency=dataclasses.replace(profile.latency, lora={}),
                                   loading=LoadingSpec(cpu_to_gpu_ms=zero, disk_to_cpu_ms=dict(zero)))
-    kv = profile.kv_capacity_tokens(eng["max_loras"], eng["max_lora_rank"], eng["gpu_memory_utilization"],
-                                    eng["max_num_batched_tokens"], enable_lora=False, max_num_seqs=eng["max_num_seqs"])
+    kv = profile.kv_capacity_tokens(eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
+                                    eng.max_num_batched_tokens, enable_lora=False, max_num_seqs=eng.max_num_seqs)
     return profile, kv, []
 
 

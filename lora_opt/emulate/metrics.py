@@ -246,7 +246,7 @@ class _EngineCollector:
         lora-opt emits turn it off)."""
         eng, engine = self.m.engine, self.m.labels["engine"]
         block = eng.profile.memory.block_size
-        labels = {"block_size": str(block), "gpu_memory_utilization": str(eng.eng["gpu_memory_utilization"]),
+        labels = {"block_size": str(block), "gpu_memory_utilization": str(eng.eng.gpu_memory_utilization),
                   "cache_dtype": "auto", "is_attention_free": "False", "num_gpu_blocks_override": "None",
                   "sliding_window": "None", "enable_prefix_caching": "False", "num_gpu_blocks": str(kv_blocks),
                   "engine": engine}
@@ -255,4 +255,4 @@ class _EngineCollector:
         tokens = kv_blocks * block
         return {**CACHE_CONFIG_032, **labels, "effective_attention_block_size": str(block),
                 "kv_cache_size_tokens": str(tokens),
-                "kv_cache_max_concurrency": str(round(tokens / eng.eng["max_model_len"], 2))}
+                "kv_cache_max_concurrency": str(round(tokens / eng.eng.max_model_len, 2))}

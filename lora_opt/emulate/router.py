@@ -106,7 +106,7 @@ class RouteTable:
         if engines is not None:
             if len(engines) != n:
                 raise InputError(f"router: {len(engines)} engines for {n} endpoints")
-            self.view.max_loras[:] = [eng.eng["max_loras"] for eng, _ in engines]
+            self.view.max_loras[:] = [eng.eng.max_loras for eng, _ in engines]
             self.engines = []
             for eng, ids in engines:        # engine adapter index -> fleet adapter index (-1: base, spares)
                 to_fleet = np.full(len(eng.sc.adapter_table()[0]), -1, np.int64)

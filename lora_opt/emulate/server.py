@@ -87,7 +87,7 @@ class Instance:
         self.files = files or self.files
         self.model_root = model_root or self.model_root
         self.lora_roots.update(lora_roots or {})
-        self.max_lora_rank = max_lora_rank or self.max_lora_rank or self.engine.eng.get("max_lora_rank")
+        self.max_lora_rank = max_lora_rank or self.max_lora_rank or self.engine.eng.max_lora_rank
         vocab = self.files.vocab_size or getattr(getattr(self.engine.profile, "model", None), "vocab_size", None)
         self.api = ApiContext(behaviour=self.behaviour, max_model_len=self.max_model_len, vocab_size=vocab,
                               files=self.files)

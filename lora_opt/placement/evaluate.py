@@ -20,6 +20,7 @@ from lora_opt.placement.instances import FleetOptions, gpu_result, gpu_scenario,
 from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
+from twin.flags import shared_flags
 from twin.parsing import check_finite
 from twin.scenario import DEFAULT_RHO, scenario_from_dict
 from twin.routers import weighted_pick
@@ -350,8 +351,7 @@ def workload_from_placement(p: Placement):
     g = p.gpus[0]
     # rho as the placement recorded it; with_evaluation / workload_from_dict check it like a workload's
     return Workload(profile=p.profile, adapters=tuple(p.adapters), rho=p.meta.get("rho", DEFAULT_RHO),
-                    engine=PlacementEngine(g.max_num_seqs, g.max_num_batched_tokens, g.gpu_memory_utilization,
-                                           g.max_model_len),
+                    engine=PlacementEngine(**shared_flags(g)),
                     name=str(p.meta.get("workload", "")))
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from lora_opt.placement.plan import Adapter
 from lora_opt.placement.workload_file import EvaluationConfig, PlacementEngine, Workload
 from twin.errors import ScenarioError
+from twin.flags import resolve_flags
 from twin.profile import load_profile
 from twin.scenario import DEFAULT_RHO, ArrivalConfig, LengthConfig, build_scenario
 from twin.workload import Requests, draw_lengths, load_trace
@@ -98,7 +99,8 @@ def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate
     sc = build_scenario(profile, [{"count": 1, "rank": 8, "rate": 1.0}],
                         lengths={"source": lengths if lengths != "trace" else "sharegpt"}, seed=seed,
                         where="trace split")
-    mml = max_model_len or load_profile(profile).model.max_model_len
+    engine = PlacementEngine(max_model_len=max_model_len)
+    mml = resolve_flags(engine, load_profile(profile).flag_defaults()).max_model_len
     if lengths == "trace":
         from twin.workload import _fit_context
         i_len, o_len = _fit_context(tr["in_len"].to_numpy()[rows], tr["out_len"].to_numpy()[rows], mml)
@@ -126,6 +128,6 @@ def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate
             "adapters_without_requests": int((counts == 0).sum()), "ranks": sorted({int(r) for r in ranks}),
             "seed": seed}
     wl = Workload(profile=profile, adapters=adapters, rho=rho, evaluation=ev,
-                  engine=PlacementEngine(max_model_len=max_model_len),
+                  engine=engine,
                   name=f"{trace}-{n_adapters}x{'-'.join(map(str, info['ranks']))}-{target_rate:g}rps", meta=info)
     return TraceSplit(wl, replay, history, t_split, T - t_split, info)

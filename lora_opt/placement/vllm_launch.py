@@ -20,9 +20,9 @@ import functools
 import json
 import re
 
-from lora_opt.placement.plan import Placement
+from lora_opt.placement.plan import GPUConfig, Placement
 from twin.errors import ScenarioError
-from twin.flags import release_key
+from twin.flags import PER_INSTANCE_FLAGS, flag_values, release_key, serve_option
 from twin.parsing import check_adapter_id, check_adapter_path
 from twin.paths import VLLM_SERVE_ARGS_DIR
 
@@ -89,6 +89,20 @@ def adapter_path(a) -> str:
     return a.path or f"adapters/{a.id}"
 
 
+def engine_args(g: GPUConfig) -> list[str]:
+    """``--flag value`` for every set flag of ``g`` (``twin.flags.EngineFlags``' fields, spelled by
+    ``twin.flags.serve_option``): the per-GPU flags, ``--max-model-len``, then the others in
+    ``EngineFlags``' order -- the order launch commands have always had (committed ones are compared
+    argument by argument)."""
+    values = flag_values(g)
+    first = [*PER_INSTANCE_FLAGS, "max_model_len"]
+    args = []
+    for name in first + [n for n in values if n not in first]:
+        if values[name] is not None:
+            args += [serve_option(name), str(values[name])]
+    return args
+
+
 def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1", port: int = 8000,
                   adapters=None, vllm_version: str = DEFAULT_VLLM_VERSION, block_size: int = 16) -> list[str]:
     """argv of ``vllm serve`` for GPU ``gpu`` of the placement, in ``vllm_version``'s flags
@@ -104,12 +118,8 @@ def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1"
         if a.path is not None:
             check_adapter_path(a.path, f"adapter {a.id}.path")
     modules = [f"{a.id}={adapter_path(a)}" for a in adapters]
-    argv = ["vllm", "serve", model, "--host", host, "--port", str(port),
-            "--enable-lora", "--max-loras", str(g.max_loras), "--max-lora-rank", str(g.max_lora_rank),
-            "--max-cpu-loras", str(g.max_cpu_loras), "--max-model-len", str(g.max_model_len),
-            "--max-num-seqs", str(g.max_num_seqs), "--max-num-batched-tokens", str(g.max_num_batched_tokens),
-            "--gpu-memory-utilization", str(g.gpu_memory_utilization), "--block-size", str(block_size),
-            "--scheduling-policy", "fcfs",
+    argv = ["vllm", "serve", model, "--host", host, "--port", str(port), "--enable-lora", *engine_args(g),
+            "--block-size", str(block_size), "--scheduling-policy", "fcfs",
             *(switch_spelling(s, vllm_version) for s in PINNED_SWITCHES)]
     if modules:
         argv += ["--lora-modules", *modules]

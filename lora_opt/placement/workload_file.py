@@ -20,29 +20,33 @@ import json
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Adapter
 from twin.errors import ScenarioError
-from twin.flags import EngineFlagChecks, check_rank
+from twin.flags import PER_INSTANCE_FLAGS, EngineFlags, check_rank, resolve_flags, shared_flags
 from twin.parsing import (build_dataclass, check_adapter_id, check_adapter_path, check_finite, check_type,
                           read_config_file)
 from twin.paths import resolve_bundled
-from twin.profile import load_profile
+from twin.profile import Profile, load_profile
 from twin.scenario import (DEFAULT_RHO, MAX_ADAPTERS, MAX_DURATION_S, MAX_REQUESTS, ArrivalConfig, LengthConfig,
                            parse_lengths, scenario_dict, scenario_from_dict)
 from twin.workload import Requests
 
 
 @dataclass(frozen=True)
-class PlacementEngine(EngineFlagChecks):
-    """Flags every instance of a placement shares (A_max, max_lora_rank and max_cpu_loras are
-    chosen per GPU): a typed subset of ``twin.flags.EngineFlags`` (what each flag means and allows
-    is documented there), checked by the same validator.  The defaults are those the bundled
-    surrogates were trained with."""
+class PlacementEngine(EngineFlags):
+    """Flags every instance of a placement shares: ``twin.flags.EngineFlags`` (what each flag means
+    and allows is documented there) less ``twin.flags.PER_INSTANCE_FLAGS`` -- ``max_loras``,
+    ``max_lora_rank`` and ``max_cpu_loras`` are chosen per GPU, and a workload setting one is
+    refused.  The defaults are those the bundled surrogates were trained with; a flag left null
+    takes the profile's default (``twin.flags.resolve_flags``)."""
+
+    #: keys of ``EngineFlags`` a workload file may not set (the reference leaves them out)
+    REFUSED_KEYS: ClassVar[tuple[str, ...]] = PER_INSTANCE_FLAGS
 
     max_num_seqs: int = 2048
     """``--max-num-seqs`` (pinned: vLLM's default depends on the GPU)."""
@@ -50,9 +54,6 @@ class PlacementEngine(EngineFlagChecks):
     """``--max-num-batched-tokens`` (chunked-prefill token budget per step)."""
     gpu_memory_utilization: float = 0.9
     """``--gpu-memory-utilization`` in (0, 1]."""
-    max_model_len: int | None = None
-    """``--max-model-len``; null = the model's own (the setting the surrogates were trained with).
-    vLLM refuses to start when the KV cache cannot hold one request of this length."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,16 @@ class Workload:
     def total_rate(self) -> float:
         return sum(a.rate for a in self.adapters)
 
+    def resolved_engine(self, profile: Profile) -> PlacementEngine:
+        """The shared flags with every unset one resolved from the profile's defaults
+        (``twin.flags.resolve_flags``; ``max_model_len`` null: the model's context), as each GPU's
+        are (``policies.base.gpu_config``); the per-GPU flags stay unset."""
+        return resolve_flags(self.engine, {k: v for k, v in profile.flag_defaults().items()
+                                           if k not in PlacementEngine.REFUSED_KEYS})
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["engine"] = shared_flags(self.engine)      # the keys a workload file may set
         d["adapters"] = [{k: v for k, v in a.items() if v is not None} for a in d["adapters"]]
         return d
 
@@ -194,6 +203,10 @@ def workload_from_dict(data: Any, where: str = "workload") -> Workload:
     if not 0 < rho <= 1:
         raise InputError(f"{where}.rho: must be in (0, 1], got {rho}")
     engine = build_dataclass(PlacementEngine, data.get("engine") or {}, f"{where}.engine", InputError)
+    per_instance = [k for k in PlacementEngine.REFUSED_KEYS if getattr(engine, k) is not None]
+    if per_instance:
+        raise InputError(f"{where}.engine.{per_instance[0]}: chosen for each GPU by the placement policy, not "
+                         f"set by a workload (the shared flags: {', '.join(shared_flags(engine))})")
     engine.validate(f"{where}.engine", InputError)
     ev = _parse_evaluation(data.get("evaluation") or {}, f"{where}.evaluation")
     expected = ev.duration_s * sum(a.rate for a in adapters)
@@ -298,7 +311,7 @@ def load_request_log(wl: Workload, path: str | Path):
     if unknown:
         raise InputError(f"request log {p}: adapter(s) not in the workload: {', '.join(repr(u)[1:-1][:60] for u in unknown[:5])}"
                          f"{' ...' if len(unknown) > 5 else ''}")
-    max_len = wl.engine.max_model_len or load_profile(wl.profile).model.max_model_len
+    max_len = wl.resolved_engine(load_profile(wl.profile)).max_model_len
     ins, outs = (_log_tokens(df[c], c, p, max_len) for c in ("input_tokens", "output_tokens"))
     span = float(t.max()) if t.max() > 0 else 1.0
     adapter = ids.map(index).to_numpy(np.int64)

@@ -148,10 +148,10 @@ class SearchSetup:
             raise ScenarioError(f"gpus: must be an integer >= 1, got {pool!r}")
         ranks = np.array([a.rank for a in wl.adapters])
         rates = np.array([a.rate for a in wl.adapters], float)
-        e, prof = wl.engine, ctx.profile
-        mml = e.max_model_len or prof.model.max_model_len
+        prof = ctx.profile
+        e = wl.resolved_engine(prof)
         caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
-                                             mml, e.max_num_seqs, AMAX_MAX) for r in set(ranks.tolist())}
+                                             e.max_model_len, e.max_num_seqs, AMAX_MAX) for r in set(ranks.tolist())}
         if not isinstance(batch, int) or batch < 1:
             raise ScenarioError(f"batch: must be an integer >= 1, got {batch!r}")
         return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective,

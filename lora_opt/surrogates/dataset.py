@@ -35,7 +35,7 @@ from lora_opt.tracking import tracked_run
 from twin.errors import ScenarioError
 from twin.paths import GRIDS_DIR
 from twin.parsing import build_dataclass, check_choice, check_finite, check_type, read_config_file
-from twin.flags import max_lora_rank_for
+from twin.flags import PER_INSTANCE_FLAGS, max_lora_rank_for
 from twin.profile import VLLM_LORA_RANKS, load_profile
 from twin.scenario import DEFAULT_RHO, LENGTH_SOURCES, MAX_DURATION_S, EngineConfig, scenario_dict
 
@@ -189,8 +189,7 @@ def _check_grid_fields(data: dict, where: str) -> dict:
         eng = data["engine"]
         if not isinstance(eng, dict):
             raise ScenarioError(f"{where}.engine: expected a mapping of engine flags, got {eng!r:.80}")
-        fixed = {"max_loras", "max_lora_rank", "max_cpu_loras"}
-        bad = sorted(map(str, set(eng) & fixed))
+        bad = sorted(map(str, set(eng) & set(PER_INSTANCE_FLAGS)))
         if bad:
             raise ScenarioError(f"{where}.engine: {bad} come from each grid point; leave them out")
         flags = build_dataclass(EngineConfig, eng, f"{where}.engine")

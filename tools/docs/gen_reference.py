@@ -182,6 +182,8 @@ def dataclass_section(cls: type, title: str, known: dict[str, type], level: str 
     lines = [f"{level} {title} {{#{_anchor(cls)}}}\n", f"`{cls.__module__}.{cls.__qualname__}`\n", _md(doc) + "\n",
              "| field | type | default | description |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
+        if f.name in getattr(cls, "REFUSED_KEYS", ()):      # inherited, but the file may not set it
+            continue
         lines.append(f"| `{f.name}` | {_type(f, known)} | {_field_default(f)} | {_md(_field_doc(cls, f.name))} |")
     return "\n".join(lines) + "\n"
 

@@ -24,7 +24,7 @@ from lora_opt.surrogates.oracle import ORACLE_FILES, Oracle, Surrogate
 from lora_opt.surrogates.registry import surrogate_dir as resolve_surrogate
 from twin.errors import ScenarioError
 from twin.paths import SURROGATES_DIR
-from twin.flags import max_lora_rank_for
+from twin.flags import EngineFlags, flag_values, max_lora_rank_for, resolve_flags, shared_flags
 from twin.profile import Profile, load_profile
 
 
@@ -103,12 +103,13 @@ class PlacementContext:
 
 
 def gpu_config(wl: Workload, profile: Profile, ranks, n_adapters: int, max_loras: int) -> GPUConfig:
-    e = wl.engine
-    return GPUConfig(max_loras=int(max_loras), max_lora_rank=max_lora_rank_for(ranks),
-                     max_cpu_loras=int(max(max_loras, n_adapters)), max_num_seqs=e.max_num_seqs,
-                     max_num_batched_tokens=e.max_num_batched_tokens,
-                     gpu_memory_utilization=e.gpu_memory_utilization,
-                     max_model_len=e.max_model_len or profile.model.max_model_len)
+    """The flags of one GPU: the workload's shared ones, A_max, the smallest vLLM rank that holds
+    ``ranks`` and a CPU cache for all ``n_adapters``, every unset flag resolved from the profile
+    (``twin.flags.resolve_flags``, as a scenario's are)."""
+    chosen = {"max_loras": int(max_loras), "max_lora_rank": max_lora_rank_for(ranks),
+              "max_cpu_loras": int(max(max_loras, n_adapters))}
+    flags = EngineFlags(**{**shared_flags(wl.engine), **chosen})
+    return GPUConfig(**flag_values(resolve_flags(flags, profile.flag_defaults())))
 
 
 class PlacementPolicy:

@@ -32,9 +32,8 @@ class StartableCap:
     below 1: a GPU where even one adapter slot does not start is reported as failing to start."""
 
     def __init__(self, wl: Workload, profile: Profile):
-        e = wl.engine
-        self._args = (e.gpu_memory_utilization, e.max_num_batched_tokens,
-                      e.max_model_len or profile.model.max_model_len, e.max_num_seqs)
+        e = wl.resolved_engine(profile)
+        self._args = (e.gpu_memory_utilization, e.max_num_batched_tokens, e.max_model_len, e.max_num_seqs)
         self._profile, self._limit, self._caps = profile, max(1, len(wl.adapters)), {}
 
     def cap(self, lora_rank: int) -> int:

@@ -432,11 +432,11 @@ class GreedyPlus(_GreedyBase):
         order = rest[priority_order(ranks_all[rest], rates_all[rest])]
         ranks, rates = ranks_all[order], rates_all[order]
         seg = Segments(ranks, rates)
-        e, prof = wl.engine, ctx.profile
-        mml = e.max_model_len or prof.model.max_model_len
+        prof = ctx.profile
+        e = wl.resolved_engine(prof)
         limit = self.max_adapters if self.verify_s > 0 else min(self.max_adapters, SURROGATE_MAX_ADAPTERS)
         mem_caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
-                                                 mml, e.max_num_seqs, limit) for r in set(ranks.tolist())}
+                                                 e.max_model_len, e.max_num_seqs, limit) for r in set(ranks.tolist())}
         s, N = 0, len(order)
         self.twin_calls = 0
         packed: list[tuple[int, int, int, float | None]] = []
@@ -515,10 +515,9 @@ class GreedyPlus(_GreedyBase):
             X = np.concatenate([seg.rows(0, n, a, pad_to=MIN_ADAPTERS_PER_GPU),
                                 seg.rows(0, n, a, self.load_factor, pad_to=MIN_ADAPTERS_PER_GPU)])
             return bool(oracle.predict(X)[1].all())
-        e = wl.engine
+        e = wl.resolved_engine(ctx.profile)
         mem_cap = max_loras_that_start(ctx.profile, int(ranks.max()), e.gpu_memory_utilization,
-                                       e.max_num_batched_tokens, e.max_model_len or ctx.profile.model.max_model_len,
-                                       e.max_num_seqs, self.max_adapters)
+                                       e.max_num_batched_tokens, e.max_model_len, e.max_num_seqs, self.max_adapters)
         if self.verify_s > 0:
             return self._verified(wl, ctx, oracle, seg, order, 0, len(ads), mem_cap)[0]
         return self._best(oracle, seg, 0, len(ads), min(mem_cap, SURROGATE_MAX_ADAPTERS))[0]
