@@ -41,9 +41,13 @@ replacement: the new instance is launched beside the old one, which is drained a
 the pool needs one spare GPU per restart during the transition (``peak_gpus``).  After every
 group the instances whose routed traffic changed are judged with the same GPU test at the expected
 load (margin 0: a state lasts minutes, and near the packing boundary a subset of a GPU's adapters
-can fail at 1 + margin where the whole set passed, by other Poisson draws); a state is
+can fail at 1 + margin where the whole set passed, by other Poisson draws) -- or, where that one
+draw fails, at the policy's 1 + margin, the test the candidate's GPUs passed (:class:`StateJudge`:
+the twin's verdicts are not monotone in the load near the boundary); a state is
 ``ok`` if no instance starves except one the plan only relieved (its traffic a subset of what it
-had when the plan began: the demand, not the plan, overloaded it).
+had when the plan began: the demand, not the plan, overloaded it) or one that carries part of its
+target traffic (``within_target``: the target passed the placement test, and less of the same
+traffic is less load -- the monotonicity greedy-plus's own search assumes).
 """
 from __future__ import annotations
 
@@ -179,6 +183,22 @@ class GPUJudge:
         if self.ok(pairs, cfg):
             return cfg
         return self.fresh(pairs) if restart and pairs else None
+
+
+class StateJudge(GPUJudge):
+    """The transition states' judge: the GPU test at the expected load (margin 0), or, where that
+    fails, the policy's own test at (1 + margin) x the load -- the one every GPU of a placement
+    passes.  Each verdict is one Poisson draw of the twin, and near the packing boundary the
+    verdicts are not monotone in the load (a set the fill's bisection accepted at 1 + margin can
+    fail at 1.0 by other draws); a state that passes at the higher load does not starve at the
+    lower one."""
+
+    def __init__(self, wl: Workload, policy: GreedyPlus, ctx, placement_judge: GPUJudge):
+        super().__init__(wl, policy, ctx)
+        self.placement_judge = placement_judge
+
+    def ok(self, pairs: list[tuple[int, float]], cfg: GPUConfig | None) -> bool:
+        return super().ok(pairs, cfg) or self.placement_judge.ok(pairs, cfg)
 
 
 def instance_names(p: Placement) -> list[str]:
@@ -438,7 +458,7 @@ def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: 
         cands.append(from_scratch(start, retired, wl, scratch_p or scratch_placement(wl, policy, ctx)))
     feasible = [c for c in cands if not c.unplaceable] or cands
     best = min(feasible, key=lambda c: c.key(costs))
-    states_judge = GPUJudge(wl, at_load, ctx)
+    states_judge = StateJudge(wl, at_load, ctx, judge)
     plan = transition_plan(current, start, retired, best, wl, states_judge, host=host, base_port=base_port)
     plan["candidates"] = [c.summary(costs) for c in cands]
     plan["chosen"] = best.name
