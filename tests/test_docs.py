@@ -293,6 +293,8 @@ NOT_RUN_HERE = {
     "bench place --out experiments/bench/place.json": "rewrites committed results; tests/test_bench_place.py",
     "bench fleet": "a benchmark (minutes); tests/test_fleet.py runs a small one",
     "bench fleet --out experiments/bench/fleet.json": "rewrites committed results; tests/test_fleet.py runs a small one",
+    "schedule --drift traces": "a day of replans (minutes); experiments/drift_day.py --drift traces runs it, "
+                               "tests/test_schedule.py runs small ones",
 }
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from lora_opt.errors import InputError
-from lora_opt.placement.drift import DriftConfig, drift_from_dict, drift_workloads, load_drift, write_drift
+from lora_opt.placement.drift import (DriftConfig, drift_from_dict, drift_workloads, load_drift, trace_shape,
+                                      write_drift)
 from lora_opt.placement.workload_file import load_workload
 
 PROFILE = "llama-3.1-8b-h100-64gb"
@@ -82,6 +83,9 @@ def test_arrivals_and_retirements_never_reuse_an_id():
     ("ranks", [{"rank": 0, "share": 1}], "drift.ranks[0].rank"), ("ranks", "8", "drift.ranks"),
     ("colour", 1, "unknown field"), ("profile", "no-such-profile", "profile"),
     ("evaluation", {"seed": -1}, "evaluation.seed"),
+    ("rate_shape", "weekly", "drift.rate_shape: 'weekly' not allowed; allowed values: diurnal, trace:"),
+    ("rate_shape", "trace:azure-conv+nope", "drift.rate_shape: .* azure-code, azure-conv, mooncake-conversation"),
+    ("rate_shape", "trace:", "drift.rate_shape"),
 ])
 def test_bad_fields_are_named(field, value, needle):
     base = {"profile": PROFILE, "adapters": 40, "peak_rate": 10.0}
@@ -96,3 +100,32 @@ def test_the_bundled_day_loads_and_its_steps_round_trip_as_workload_files(tmp_pa
     files = write_drift(wls, tmp_path)
     back = load_workload(files[1])
     assert back.adapters == wls[1].adapters and back.name == wls[1].name and back.evaluation == wls[1].evaluation
+
+
+def test_a_trace_shape_gives_the_stitched_traces_real_rate():
+    """Two one-hour Azure traces stitched and cut in two: each step carries about one trace
+    (azure-conv 19,366 requests, azure-code 8,819; data/README.md), in the order stitched."""
+    conv_code = trace_shape("trace:azure-conv+azure-code", 2)
+    assert conv_code[0] == 1.0 and conv_code[1] == pytest.approx(8819 / 19366, rel=0.05)
+    assert trace_shape("trace:azure-code+azure-conv", 2)[::-1] == pytest.approx(conv_code, rel=0.05)
+    cfg = _cfg(steps=24, rate_shape="trace:azure-conv+azure-code", peak_rate=50.0)
+    wls = drift_workloads(cfg)
+    totals = np.array([w.total_rate for w in wls])
+    assert totals == pytest.approx(50.0 * np.array(trace_shape(cfg.rate_shape, 24)))
+    assert totals.max() == pytest.approx(50.0) and totals.min() > 0
+    assert len(set(np.round(totals, 6))) > 12           # a real shape, not a flat or two-level day
+    assert wls[3].meta["drift"]["rate_shape"] == cfg.rate_shape
+    # the adapters and their draws do not depend on the shape: the same seed, the same adapters
+    diurnal = drift_workloads(_cfg(steps=24))
+    assert [[a.id for a in w.adapters] for w in wls] == [[a.id for a in w.adapters] for w in diurnal]
+
+
+def test_a_trace_window_without_requests_is_an_error():
+    with pytest.raises(InputError, match="drift.rate_shape: window 20 of the 24 .* holds no request"):
+        _cfg(steps=24, rate_shape="trace:azure-code")
+
+
+def test_the_bundled_traces_day_loads():
+    cfg = load_drift("traces")
+    assert cfg.steps == 24 and cfg.rate_shape.startswith("trace:")
+    assert max(cfg.total_rate(k) for k in range(24)) == pytest.approx(cfg.peak_rate)

@@ -32,6 +32,7 @@ def test_a_schedule_replans_every_step_and_holds_the_slo():
     assert tot["gpu_hours"] <= tot["gpu_hours_static_peak"]
     assert tot["moves"] <= tot["moves_from_scratch"]
     assert tot["transitions_not_ok"] == [] and tot["steps_starving"] == []
+    assert tot["restart_kept"] == sum(r.restart_kept for r in rows)
     assert totals(rows, 3600)["gpu_hours"] == sum(r.gpus for r in rows)
 
 

@@ -1,4 +1,4 @@
-"""``lora-opt replan CURRENT/placement.json --workload NEW.yaml``: a placement for the new demand with
+"""``lora-opt replan CURRENT/placement.json --workload NEW.yaml`` (or ``--history LOG.csv``): a placement for the new demand with
 the fewest adapter moves and instance restarts, and the plan to get there (``plan.json``: vLLM runtime
 LoRA calls, router switches, launches, drains, stops, every intermediate state judged).
 
@@ -8,6 +8,7 @@ writes the files and prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,9 +24,11 @@ def add_replan_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``replan`` and ``schedule`` share: the costs and greedy-plus's GPU test."""
     p.add_argument("--move-cost", type=COST, default=0.0,
                    help="GPU-equivalents one adapter move (a load or an unload on one instance) costs "
-                        "(default 0: fewest GPUs first, then fewest restarts, then fewest moves)")
+                        "(default 0: fewest GPUs first, then fewest launches -- restarts and new instances --, then fewest "
+                        "moves)")
     p.add_argument("--restart-cost", type=COST, default=0.0,
-                   help="GPU-equivalents one instance restart (new vLLM flags) costs (default 0: after GPUs)")
+                   help="GPU-equivalents one instance restart (new vLLM flags; it keeps its adapters) costs "
+                        "(default 0: after GPUs)")
     p.add_argument("--no-consolidate", action="store_true",
                    help="never empty and stop a running instance to save a GPU")
     p.add_argument("--surrogate", help="surrogate directory or registered version (default: the bundled one)")
@@ -47,7 +50,13 @@ def register(sub) -> None:
     rp = sub.add_parser("replan", help="re-place a running placement for new demand: fewest moves and restarts, "
                                        "and the plan to get there")
     rp.add_argument("current", metavar="CURRENT", help="the running placement: placement.json or the folder place wrote")
-    rp.add_argument("--workload", required=True, help="the new demand: a workload YAML/JSON (same profile)")
+    demand = rp.add_mutually_exclusive_group(required=True)
+    demand.add_argument("--workload", help="the new demand: a workload YAML/JSON (same profile)")
+    demand.add_argument("--history", metavar="LOG.csv",
+                        help="the new demand estimated from a request log (timestamp_s or timestamp, adapter, "
+                             "input_tokens, output_tokens): each adapter of the running placement at its requests "
+                             "/ the log's span (none: rate 0); every adapter in the log must be one of the "
+                             "placement's (a new adapter needs --workload, which gives its rank)")
     rp.add_argument("--out", help="output directory (default: outputs/replan-<workload>)")
     add_replan_flags(rp)
     rp.add_argument("--no-scratch", action="store_true",
@@ -74,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.base_port <= 65535:
         raise InputError(f"--base-port: must be a port in 1..65535, got {args.base_port}")
     current = Placement.load(args.current)
-    wl = load_workload(args.workload)
+    wl = load_workload(args.workload) if args.workload else history_workload(current, args.history)
     costs = ReplanCosts(args.move_cost, args.restart_cost)
     policy = policy_from_flags(args)
     ctx = PlacementContext.for_workload(wl, args.surrogate)
@@ -98,13 +107,30 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def history_workload(current, log: str):
+    """The running placement's adapters (ids, ranks, its engine flags and rho) with the rates of a
+    request log; the log's problems as ``--history`` errors.  The instances are then judged on
+    Poisson traffic at these rates (``place --history`` also replays the log's bursts)."""
+    from lora_opt.errors import InputError
+    from lora_opt.placement.evaluate import workload_from_placement
+    from lora_opt.placement.workload_file import load_request_log
+
+    base = workload_from_placement(current)
+    try:
+        wl, _, span = load_request_log(base, log)
+    except InputError as exc:
+        raise InputError(f"--history: {exc} (the adapters are the running placement's)") from None
+    return dataclasses.replace(wl, name=f"{base.name or 'placement'}-history", meta={**wl.meta, "history_s": span})
+
+
 def plan_summary(plan: dict) -> str:
     """The candidates, the instances' fate, the step counts and the transition's verdict, as text."""
-    lines = [f"{'candidate':<13} {'GPUs':>4} {'moves':>6} {'loads':>6} {'unloads':>7} {'restarts':>8} {'cost':>7}"]
+    lines = [f"{'candidate':<19} {'GPUs':>4} {'moves':>6} {'loads':>6} {'unloads':>7} {'restarts':>8} "
+             f"{'launches':>8} {'cost':>7}"]
     for c in plan["candidates"]:
         mark = " <- chosen" if c["name"] == plan["chosen"] else ""
-        lines.append(f"{c['name']:<13} {c['gpus']:>4} {c['moves']:>6} {c['loads']:>6} {c['unloads']:>7} "
-                     f"{c['restarts']:>8} {c['cost_gpu_equivalents']:>7.2f}{mark}"
+        lines.append(f"{c['name']:<19} {c['gpus']:>4} {c['moves']:>6} {c['loads']:>6} {c['unloads']:>7} "
+                     f"{c['restarts']:>8} {c['launches']:>8} {c['cost_gpu_equivalents']:>7.2f}{mark}"
                      + ("" if c["feasible"] else "  (infeasible)"))
     acts: dict[str, list[str]] = {}
     for it in plan["instances"]:

@@ -21,7 +21,8 @@ def register(sub) -> None:
     sc = sub.add_parser("schedule", help="GPUs and placement per step of a drifting day: replan step by step; "
                                          "GPU-hours and moves saved")
     src = sc.add_mutually_exclusive_group(required=True)
-    src.add_argument("--drift", help="a drift YAML (lora_opt.placement.drift), or a bundled one by name: day")
+    src.add_argument("--drift", help="a drift YAML (lora_opt.placement.drift), or a bundled one by name: day, "
+                                     "traces (the Azure conversation and code traces stitched)")
     src.add_argument("--workloads", nargs="+", metavar="WL.yaml", help="one workload file per step, in order")
     sc.add_argument("--steps", type=int_range(1, 168), help="only the first N steps")
     sc.add_argument("--step-s", type=float, default=None,
@@ -48,9 +49,8 @@ def run(args: argparse.Namespace) -> int:
         if args.step_s is not None:
             raise InputError("--step-s: only with --workloads (a drift file gives step_s)")
         cfg = load_drift(args.drift)
-        if args.steps:
-            cfg = dataclasses.replace(cfg, steps=min(args.steps, cfg.steps))
-        workloads, step_s, name = drift_workloads(cfg), cfg.step_s, cfg.name
+        # the first N steps of the whole drift (a trace shape cuts its windows for cfg.steps)
+        workloads, step_s, name = drift_workloads(cfg)[:args.steps], cfg.step_s, cfg.name
     else:
         workloads = [load_workload(w) for w in args.workloads][:args.steps]
         step_s = 3600.0 if args.step_s is None else args.step_s
@@ -120,4 +120,7 @@ def totals_text(t: dict) -> str:
             f"moves: {t['moves']} replanned vs {t['moves_from_scratch']} from scratch; restarts {t['restarts']} vs "
             f"{t['restarts_from_scratch']}; peak GPUs during a transition {t['peak_gpus_during_transitions']}\n"
             f"transitions not ok: {t['transitions_not_ok'] or 'none'}; steps with a starving GPU on the twin: "
-            f"{t['steps_starving'] or 'none'}")
+            f"{t['steps_starving'] or 'none'}\n"
+            f"adapters kept across restarts (not moves): {t['restart_kept']} replanned vs "
+            f"{t['restart_kept_from_scratch']} from scratch; candidates chosen: "
+            + (", ".join(f"{k} {v}" for k, v in t["candidates_chosen"].items()) or "none"))

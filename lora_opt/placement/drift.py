@@ -3,7 +3,13 @@
 Three kinds of drift, each a field of :class:`DriftConfig`:
 
 * **the day**: the total request rate follows a cosine between ``trough_fraction x peak_rate`` and
-  ``peak_rate``, highest at ``peak_hour`` (evaluated at the middle of each step);
+  ``peak_rate``, highest at ``peak_hour`` (evaluated at the middle of each step) -- or, with
+  ``rate_shape: trace:<name>[+<name>...]``, the real arrival-rate shape of the bundled one-hour
+  request traces (Azure 2023 code/conversation, Mooncake; ``data/README.md``): the traces stitched
+  end to end (each one's first request right after the previous one's last), the stitch cut into
+  ``steps`` windows of equal length, each step's total rate proportional to its window's request
+  count and scaled so the busiest step has ``peak_rate`` (:func:`trace_shape`; no draw: the shape
+  is the data's);
 * **popularity churn**: adapter ``i`` holds a popularity position ``k`` and gets the share
   ``k^-popularity_alpha / sum_j j^-popularity_alpha`` of the total rate (a power law over positions,
   as the papers' Zipf workloads); each step a random ``churn`` fraction of the adapters swap their
@@ -33,6 +39,7 @@ Pure workload generation (no twin run); :func:`write_drift` writes the steps as 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +51,19 @@ import yaml
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_text
 from lora_opt.placement.workload_file import MAX_RATE, Workload, workload_from_dict
+from twin.bundled_data import TRACES
+from twin.errors import ScenarioError
 from twin.flags import check_rank
 from twin.parsing import build_dataclass, check_adapter_id, check_finite, read_config_file
 from twin.paths import resolve_bundled
 from twin.scenario import DEFAULT_RHO, MAX_ADAPTERS
+from twin.workload import load_trace
 
 #: the most steps a drift may have (a week of hours)
 MAX_STEPS = 168
+#: ``rate_shape``'s cosine; the other values are ``TRACE_SHAPE`` + bundled trace names joined by ``+``
+DIURNAL = "diurnal"
+TRACE_SHAPE = "trace:"
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,12 @@ class DriftConfig:
     is the step's ``seed + step`` unless given)."""
     name: str = "drift"
     """Step workloads are named ``<name>-s<step>``."""
+    rate_shape: str = DIURNAL
+    """How the total rate moves over the steps: ``diurnal`` (the cosine of ``trough_fraction``,
+    ``peak_hour`` and ``start_hour``) or ``trace:<name>[+<name>...]``, bundled one-hour traces
+    (azure-code, azure-conv, mooncake-conversation, mooncake-synthetic) stitched end to end and cut
+    into ``steps`` equal windows, each step's rate its window's requests scaled so the busiest step
+    has ``peak_rate`` (the cosine's fields are then unused)."""
 
     def validate(self, where: str = "drift") -> None:
         """InputError naming the field and what it allows."""
@@ -137,12 +156,48 @@ class DriftConfig:
         for name in ("engine", "evaluation"):
             if not isinstance(getattr(self, name), dict):
                 raise InputError(f"{where}.{name}: expected a mapping (a workload's {name})")
+        if self.rate_shape != DIURNAL:
+            trace_shape(self.rate_shape, self.steps, f"{where}.rate_shape")
 
     def total_rate(self, step: int) -> float:
-        """The day's total request rate (req/s) at the middle of ``step``."""
+        """The day's total request rate (req/s) at the middle of ``step`` (or in its trace window)."""
+        if self.rate_shape != DIURNAL:
+            return self.peak_rate * trace_shape(self.rate_shape, self.steps)[step]
         hour = (self.start_hour + (step + 0.5) * self.step_s / 3600.0) % 24.0
         wave = 0.5 * (1.0 + math.cos(2.0 * math.pi * (hour - self.peak_hour) / 24.0))
         return self.peak_rate * (self.trough_fraction + (1.0 - self.trough_fraction) * wave)
+
+
+def trace_shape(rate_shape: str, steps: int, where: str = "drift.rate_shape") -> tuple[float, ...]:
+    """Each step's share of the busiest step's rate for ``rate_shape`` ``trace:<name>[+<name>...]``:
+    the named bundled traces stitched end to end, cut into ``steps`` windows of equal length, the
+    request count of each window over the largest count.  InputError (naming ``where``) for an
+    unknown value or a window without a request."""
+    names = rate_shape[len(TRACE_SHAPE):].split("+") if rate_shape.startswith(TRACE_SHAPE) else []
+    if not names or any(n not in TRACES for n in names):
+        raise InputError(f"{where}: {rate_shape!r:.120} not allowed; allowed values: {DIURNAL}, "
+                         f"{TRACE_SHAPE}<name>[+<name>...] with <name> one of {', '.join(TRACES)}")
+    arrivals, span = _stitched(tuple(names), where)
+    counts = np.histogram(arrivals, bins=steps, range=(0.0, span))[0]
+    if not counts.all():
+        k = int(np.flatnonzero(counts == 0)[0])
+        raise InputError(f"{where}: window {k} of the {steps} cut from {rate_shape!r} ({span / steps:.0f} s "
+                         "each) holds no request; use fewer steps or stitch more traces")
+    return tuple(float(c) for c in counts / counts.max())
+
+
+@functools.lru_cache(maxsize=8)
+def _stitched(names: tuple[str, ...], where: str) -> tuple[np.ndarray, float]:
+    """The bundled traces' arrival times (s) end to end, and the stitch's span."""
+    arrivals, offset = [], 0.0
+    for n in names:
+        try:
+            t = load_trace(n)["t"].to_numpy(float)
+        except ScenarioError as exc:
+            raise InputError(f"{where}: {exc}") from None
+        arrivals.append(t + offset)
+        offset += float(t.max())
+    return np.concatenate(arrivals), offset
 
 
 def drift_from_dict(data: Any, where: str = "drift") -> DriftConfig:
@@ -190,7 +245,8 @@ def drift_workloads(cfg: DriftConfig, where: str = "drift") -> list[Workload]:
         data = {"profile": cfg.profile, "adapters": adapters, "rho": cfg.rho, "engine": dict(cfg.engine),
                 "evaluation": evaluation, "name": f"{cfg.name}-s{step}",
                 "meta": {"drift": {"step": step, "start_s": step * cfg.step_s, "step_s": cfg.step_s,
-                                   "total_rate": cfg.total_rate(step), "seed": cfg.seed}}}
+                                   "total_rate": cfg.total_rate(step), "rate_shape": cfg.rate_shape,
+                                   "seed": cfg.seed}}}
         out.append(workload_from_dict(data, f"{where} (step {step})"))
     return out
 
@@ -236,4 +292,5 @@ def write_drift(workloads: list[Workload], out_dir: str | Path) -> list[Path]:
     return written
 
 
-__all__ = ["DriftConfig", "RankShare", "drift_from_dict", "drift_workloads", "load_drift", "write_drift"]
+__all__ = ["DriftConfig", "RankShare", "drift_from_dict", "drift_workloads", "load_drift", "trace_shape",
+           "write_drift"]

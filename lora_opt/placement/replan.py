@@ -18,9 +18,19 @@ Candidates (the cheapest by :class:`ReplanCosts` wins):
   places the rest on new instances (its own ``assign``: fresh flags, hot adapters replicated).
   Optionally (``consolidate``) the lightest instances are emptied into the others and stopped
   while that lowers the cost (how GPUs are given back when demand falls).
+* ``incremental-restart`` -- the same, but an instance may restart with the flags the policy
+  chooses for its adapter set (``GreedyPlus.gpu_choice``: ``--max-loras``, ``--max-lora-rank``,
+  ``--max-cpu-loras`` as ``place`` sets them) where its own flags fail and that keeps its adapters
+  in place: one that starves keeps all its adapters if the new flags pass (else sheds as few as
+  either flags allow); pending adapters fill the instances under their own flags first, then with
+  restarts (a ``--max-loras`` too small or a ``--max-lora-rank`` too low no longer forces a new
+  instance); consolidation may restart the instances it fills.  A restart keeps its adapters: the
+  new instance starts with them as ``--lora-modules`` beside the old one, which is drained and
+  stopped -- they are not moves.
 * ``from-scratch`` -- the policy's placement of the new workload, its GPUs matched to running
   instances by the adapters they share (greedy, largest overlap first); a matched GPU whose flags
-  differ is a restart.  Its cost is what ``lora-opt schedule`` compares against.
+  differ is a restart (the adapters it keeps are not moves).  Its cost is what ``lora-opt
+  schedule`` compares against.
 
 The transition (:func:`transition_plan`): unload retired adapters; launch new instances (their
 adapters as ``--lora-modules``, no traffic yet); then, one source instance at a time (starving ones
@@ -31,9 +41,13 @@ replacement: the new instance is launched beside the old one, which is drained a
 the pool needs one spare GPU per restart during the transition (``peak_gpus``).  After every
 group the instances whose routed traffic changed are judged with the same GPU test at the expected
 load (margin 0: a state lasts minutes, and near the packing boundary a subset of a GPU's adapters
-can fail at 1 + margin where the whole set passed, by other Poisson draws); a state is
+can fail at 1 + margin where the whole set passed, by other Poisson draws) -- or, where that one
+draw fails, at the policy's 1 + margin, the test the candidate's GPUs passed (:class:`StateJudge`:
+the twin's verdicts are not monotone in the load near the boundary); a state is
 ``ok`` if no instance starves except one the plan only relieved (its traffic a subset of what it
-had when the plan began: the demand, not the plan, overloaded it).
+had when the plan began: the demand, not the plan, overloaded it) or one that carries part of its
+target traffic (``within_target``: the target passed the placement test, and less of the same
+traffic is less load -- the monotonicity greedy-plus's own search assumes).
 """
 from __future__ import annotations
 
@@ -59,7 +73,14 @@ CONSOLIDATE_TRIES = 2
 @dataclass(frozen=True)
 class ReplanCosts:
     """What a move and a restart cost against a GPU; both 0 (default) = lexicographic: fewest
-    GPUs first, then fewest restarts, then fewest moves."""
+    GPUs first, then fewest launches (vLLM starts: restarts and new instances), then fewest moves.
+
+    Launches, not restarts, come second because a restart keeps its adapters: it is one launch
+    beside the old instance and one stop, and a candidate without a restart reaches the same state
+    by launching a new instance, moving every adapter to it and stopping the old one -- the same
+    launch plus two moves per adapter.  Ranked by restarts, that detour would win; ranked by
+    launches, the restart does.  Each launch is a vLLM start (weights, CUDA graphs: minutes) on a
+    spare GPU, more than one runtime adapter load, so launches still come before moves."""
 
     move_cost: float = 0.0
     """GPU-equivalents one move (one adapter loaded on or unloaded from one instance) costs, >= 0."""
@@ -70,8 +91,9 @@ class ReplanCosts:
         for name in ("move_cost", "restart_cost"):
             check_finite(getattr(self, name), name, 0.0, 1e6, InputError)
 
-    def key(self, gpus: int, restarts: int, moves: int) -> tuple[float, int, int]:
-        return gpus + self.move_cost * moves + self.restart_cost * restarts, restarts, moves
+    def key(self, gpus: int, restarts: int, moves: int, launches: int) -> tuple[float, int, int]:
+        """(GPU-equivalents, launches, moves): the smaller the cheaper."""
+        return gpus + self.move_cost * moves + self.restart_cost * restarts, launches, moves
 
 
 @dataclass
@@ -100,15 +122,24 @@ class Candidate:
     loads: int = 0
     unloads: int = 0
     restarts: int = 0
+    restart_kept: int = 0
+    """Adapters the restarted instances keep (not moves; a restart that moved them would be
+    ``2 x restart_kept`` moves more)."""
+    launches: int = 0
+    """vLLM instances the transition starts: restarts and new instances."""
 
     @property
     def moves(self) -> int:
         return self.loads + self.unloads
 
+    def key(self, costs: ReplanCosts) -> tuple[float, int, int]:
+        return costs.key(len(self.instances), self.restarts, self.moves, self.launches)
+
     def summary(self, costs: ReplanCosts) -> dict:
         return {"name": self.name, "gpus": len(self.instances), "moves": self.moves, "loads": self.loads,
-                "unloads": self.unloads, "restarts": self.restarts, "feasible": not self.unplaceable,
-                "cost_gpu_equivalents": costs.key(len(self.instances), self.restarts, self.moves)[0]}
+                "unloads": self.unloads, "restarts": self.restarts, "restart_kept": self.restart_kept,
+                "launches": self.launches, "feasible": not self.unplaceable,
+                "cost_gpu_equivalents": self.key(costs)[0]}
 
 
 class GPUJudge:
@@ -120,17 +151,54 @@ class GPUJudge:
         self._cache: dict = {}
         self.calls = 0
 
+    def _sub(self, pairs: list[tuple[int, float]]) -> Workload:
+        # a fractional route carries weight x the adapter's rate: judged as its own adapter
+        ads = tuple(self.wl.adapters[i] if w == 1.0 else dataclasses.replace(self.wl.adapters[i],
+                                                                            rate=self.wl.adapters[i].rate * w)
+                    for i, w in pairs)
+        return dataclasses.replace(self.wl, adapters=ads)
+
     def ok(self, pairs: list[tuple[int, float]], cfg: GPUConfig | None) -> bool:
         key = (tuple(pairs), cfg)
         if key not in self._cache:
             self.calls += 1
-            # a fractional route carries weight x the adapter's rate: judged as its own adapter
-            ads = tuple(self.wl.adapters[i] if w == 1.0 else dataclasses.replace(self.wl.adapters[i],
-                                                                                rate=self.wl.adapters[i].rate * w)
-                        for i, w in pairs)
-            sub = dataclasses.replace(self.wl, adapters=ads)
-            self._cache[key] = self.policy.gpu_verdict(sub, self.ctx, list(range(len(ads))), cfg)
+            self._cache[key] = self.policy.gpu_verdict(self._sub(pairs), self.ctx, list(range(len(pairs))), cfg)
         return self._cache[key]
+
+    def fresh(self, pairs: list[tuple[int, float]]) -> GPUConfig | None:
+        """The flags the policy chooses for one instance serving ``pairs`` (non-empty), None if
+        no flags serve them."""
+        key = ("fresh", tuple(pairs))
+        if key not in self._cache:
+            self.calls += 1
+            sub = self._sub(pairs)
+            amax = self.policy.gpu_choice(sub, self.ctx, list(range(len(pairs))))
+            self._cache[key] = None if amax is None else gpu_config(
+                sub, self.ctx.profile, [a.rank for a in sub.adapters], len(pairs), amax)
+        return self._cache[key]
+
+    def flags(self, pairs: list[tuple[int, float]], cfg: GPUConfig, restart: bool) -> GPUConfig | None:
+        """The flags under which an instance running with ``cfg`` serves ``pairs``: ``cfg`` if it
+        passes, else (``restart``) the policy's own choice for the set, else None."""
+        if self.ok(pairs, cfg):
+            return cfg
+        return self.fresh(pairs) if restart and pairs else None
+
+
+class StateJudge(GPUJudge):
+    """The transition states' judge: the GPU test at the expected load (margin 0), or, where that
+    fails, the policy's own test at (1 + margin) x the load -- the one every GPU of a placement
+    passes.  Each verdict is one Poisson draw of the twin, and near the packing boundary the
+    verdicts are not monotone in the load (a set the fill's bisection accepted at 1 + margin can
+    fail at 1.0 by other draws); a state that passes at the higher load does not starve at the
+    lower one."""
+
+    def __init__(self, wl: Workload, policy: GreedyPlus, ctx, placement_judge: GPUJudge):
+        super().__init__(wl, policy, ctx)
+        self.placement_judge = placement_judge
+
+    def ok(self, pairs: list[tuple[int, float]], cfg: GPUConfig | None) -> bool:
+        return super().ok(pairs, cfg) or self.placement_judge.ok(pairs, cfg)
 
 
 def instance_names(p: Placement) -> list[str]:
@@ -183,12 +251,15 @@ def _largest(test, nmax: int) -> int:
     return found[0] if found else 0
 
 
-def _shed(it: Instance, wl: Workload, judge: GPUJudge) -> list[int]:
-    """Make ``it`` pass by shedding its hottest adapters, as few as the test allows; the shed ones."""
+def _shed(it: Instance, wl: Workload, judge: GPUJudge, restart: bool = False) -> list[int]:
+    """Make ``it`` pass by shedding its hottest adapters, as few as the test allows (under its own
+    flags, or with ``restart`` under the policy's flags for what it keeps); the shed ones."""
     fits = [p for p in it.adapters if wl.adapters[p[0]].rank <= it.cfg.max_lora_rank]
     out = [i for i, _ in it.adapters if wl.adapters[i].rank > it.cfg.max_lora_rank]
     it.adapters = fits
-    if not fits or judge.ok(fits, it.cfg):
+    cfg = judge.flags(fits, it.cfg, restart)
+    if cfg is not None:
+        it.cfg = cfg
         return out
     hottest = sorted(range(len(fits)), key=lambda j: -wl.adapters[fits[j][0]].rate)
 
@@ -196,26 +267,32 @@ def _shed(it: Instance, wl: Workload, judge: GPUJudge) -> list[int]:
         drop = set(hottest[:len(fits) - m])
         return [p for j, p in enumerate(fits) if j not in drop]
 
-    m = _largest(lambda m: judge.ok(keep(m), it.cfg), len(fits) - 1)
+    m = _largest(lambda m: judge.flags(keep(m), it.cfg, restart) is not None, len(fits) - 1)
     it.adapters = keep(m)
+    it.cfg = judge.flags(it.adapters, it.cfg, restart) or it.cfg
     return out + [i for i in (p[0] for p in fits) if i not in it.ids()]
 
 
-def _fill(insts: list[Instance], pending: list[int], wl: Workload, judge: GPUJudge) -> list[int]:
+def _fill(insts: list[Instance], pending: list[int], wl: Workload, judge: GPUJudge,
+          restart: bool = False) -> list[int]:
     """Pending adapters into the instances with room (priority order, the largest prefix each
-    instance passes, lightest instance first); those left over."""
+    instance passes, lightest instance first), under their own flags; with ``restart``, then those
+    left over into instances that restart with the policy's flags; those left over."""
     ranks = np.array([wl.adapters[i].rank for i in pending])
     rates = np.array([wl.adapters[i].rate for i in pending], float)
     left = [pending[j] for j in priority_order(ranks, rates)] if pending else []
-    for it in sorted(insts, key=lambda it: sum(wl.adapters[i].rate * w for i, w in it.adapters)):
-        if not left:
-            break
-        cand = [i for i in left if wl.adapters[i].rank <= it.cfg.max_lora_rank]
-        m = _largest(lambda m: judge.ok(it.adapters + [(i, 1.0) for i in cand[:m]], it.cfg), len(cand))
-        if m:
-            it.adapters = it.adapters + [(i, 1.0) for i in cand[:m]]
-            taken = set(cand[:m])
-            left = [i for i in left if i not in taken]
+    for again in (False, True) if restart else (False,):
+        for it in sorted(insts, key=lambda it: sum(wl.adapters[i].rate * w for i, w in it.adapters)):
+            if not left:
+                break
+            cand = [i for i in left if again or wl.adapters[i].rank <= it.cfg.max_lora_rank]
+            m = _largest(lambda m: judge.flags(it.adapters + [(i, 1.0) for i in cand[:m]], it.cfg, again)
+                         is not None, len(cand))
+            if m:
+                it.adapters = it.adapters + [(i, 1.0) for i in cand[:m]]
+                it.cfg = judge.flags(it.adapters, it.cfg, again)
+                taken = set(cand[:m])
+                left = [i for i in left if i not in taken]
     return left
 
 
@@ -234,64 +311,80 @@ def _new_instances(pending: list[int], wl: Workload, policy: GreedyPlus, ctx, na
     return out, [pending[i] for i in asg.unplaceable], list(asg.notes)
 
 
-def count_moves(start: list[Instance], target: list[Instance], retired: list) -> tuple[int, int, int]:
-    """(loads, unloads, restarts) from the running instances to the candidate's."""
-    before = {it.name: it.ids() for it in start}
-    loads = unloads = restarts = 0
+def count_moves(start: list[Instance], target: list[Instance], retired: list) -> tuple[int, int, int, int, int]:
+    """(loads, unloads, restarts, adapters the restarts keep, launches) from the running instances
+    to the candidate's.  A restart (an instance that ``replaces`` a running one, or a running one
+    whose flags change) keeps its adapters: only those it gains or loses are moves.  Launches:
+    restarts and new instances."""
+    before = {it.name: it for it in start}
+    loads = unloads = restarts = restart_kept = new = 0
     kept = set()
     for it in target:
-        old = before.get(it.name, set()) if it.origin is not None else set()
+        prev = before.get(it.name if it.origin is not None else it.replaces)
+        old = prev.ids() if prev is not None else set()
         loads += len(it.ids() - old)
         unloads += len(old - it.ids())
-        if it.origin is not None:
-            kept.add(it.name)
-        if it.replaces is not None:
-            restarts += 1
-    unloads += sum(len(ids) for name, ids in before.items() if name not in kept) + len(retired)
-    return loads, unloads, restarts
+        new += prev is None
+        if prev is not None:
+            kept.add(prev.name)
+            if it.replaces is not None or it.cfg != prev.cfg:
+                restarts += 1
+                restart_kept += len(it.ids() & old)
+    unloads += sum(len(it.ids()) for name, it in before.items() if name not in kept) + len(retired)
+    return loads, unloads, restarts, restart_kept, restarts + new
 
 
 def incremental(start: list[Instance], pending: list[int], retired, wl: Workload, policy: GreedyPlus, ctx,
-                judge: GPUJudge, costs: ReplanCosts, consolidate: bool) -> Candidate:
+                judge: GPUJudge, costs: ReplanCosts, consolidate: bool, restart: bool = False) -> Candidate:
+    """The ``incremental`` candidate, or with ``restart`` the ``incremental-restart`` one."""
     insts = [dataclasses.replace(it, adapters=list(it.adapters)) for it in start]
     pending = list(pending)
     for it in insts:
-        pending += _shed(it, wl, judge)
+        pending += _shed(it, wl, judge, restart)
     insts = [it for it in insts if it.adapters]        # emptied instances stop
-    pending = _fill(insts, pending, wl, judge)
+    pending = _fill(insts, pending, wl, judge, restart)
     names = _fresh_names({it.name for it in start})
     new, unplaceable, notes = _new_instances(pending, wl, policy, ctx, names)
-    cand = Candidate("incremental", insts + new, unplaceable, notes)
+    cand = Candidate("incremental-restart" if restart else "incremental", insts + new, unplaceable, notes)
     _count(cand, start, retired)
     fails = 0
     while consolidate and fails < CONSOLIDATE_TRIES and len(cand.instances) > 1:
-        trial = _emptied(cand, wl, judge, fails)
+        trial = _emptied(cand, wl, judge, fails, restart)
         if trial is None:
             fails += 1
             continue
         _count(trial, start, retired)
-        if costs.key(len(trial.instances), trial.restarts, trial.moves) >= \
-                costs.key(len(cand.instances), cand.restarts, cand.moves):
+        if trial.key(costs) >= cand.key(costs):
             break
         cand = trial
+    return _restarts_as_launches(cand, start, names)
+
+
+def _restarts_as_launches(cand: Candidate, start: list[Instance], names) -> Candidate:
+    """Running instances whose flags changed as what the transition does: a new instance (a fresh
+    name) launched with the same adapters, replacing the running one."""
+    cfg = {it.name: it.cfg for it in start}
+    cand.instances = [dataclasses.replace(it, name=next(names), origin=None, replaces=it.name)
+                      if it.origin is not None and it.cfg != cfg[it.name] else it for it in cand.instances]
     return cand
 
 
-def _emptied(cand: Candidate, wl: Workload, judge: GPUJudge, skip: int) -> Candidate | None:
+def _emptied(cand: Candidate, wl: Workload, judge: GPUJudge, skip: int, restart: bool = False) -> Candidate | None:
     """``cand`` with its (skip+1)-th lightest instance's adapters moved into the others, or None."""
     load = [sum(wl.adapters[i].rate * w for i, w in it.adapters) for it in cand.instances]
     j = int(np.argsort(load, kind="stable")[skip]) if skip < len(load) else None
     if j is None or any(w != 1.0 for _, w in cand.instances[j].adapters):
         return None
     others = [dataclasses.replace(it, adapters=list(it.adapters)) for k, it in enumerate(cand.instances) if k != j]
-    if _fill(others, [i for i, _ in cand.instances[j].adapters], wl, judge):
+    if _fill(others, [i for i, _ in cand.instances[j].adapters], wl, judge, restart):
         return None
     return Candidate(cand.name, others, cand.unplaceable, cand.notes + [f"consolidated: {cand.instances[j].name} "
                                                                         "emptied into the others and stopped"])
 
 
 def _count(cand: Candidate, start, retired) -> None:
-    cand.loads, cand.unloads, cand.restarts = count_moves(start, cand.instances, retired)
+    cand.loads, cand.unloads, cand.restarts, cand.restart_kept, cand.launches = count_moves(start, cand.instances,
+                                                                                          retired)
 
 
 def scratch_placement(wl: Workload, policy: GreedyPlus, ctx) -> Placement:
@@ -338,14 +431,17 @@ class Replan:
 
 
 def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: ReplanCosts = ReplanCosts(),
-           consolidate: bool = True, scratch: bool = True, scratch_p: Placement | None = None,
+           consolidate: bool = True, restarts: bool = True, scratch: bool = True,
+           scratch_p: Placement | None = None,
            host: str = "127.0.0.1", base_port: int = 8000) -> Replan:
-    """Re-place ``current`` for ``wl`` (see the module docstring).  ``scratch_p``: the policy's
-    placement of ``wl`` from scratch when the caller has it (``schedule`` compares it too)."""
+    """Re-place ``current`` for ``wl`` (see the module docstring).  ``restarts``: also the
+    ``incremental-restart`` candidate.  ``scratch_p``: the policy's placement of ``wl`` from scratch
+    when the caller has it (``schedule`` compares it too)."""
     if not isinstance(policy, GreedyPlus):
         raise InputError(f"replan: policy {policy.name!r} has no GPU test for a given adapter set; use greedy-plus")
     if ctx.history is not None:
-        raise InputError("replan: a request history is not supported yet; give the new rates in the workload")
+        raise InputError("replan: instances are judged on Poisson traffic at the workload's rates; a request "
+                         "history in the context is not supported (replan --history estimates the rates from a log)")
     t0 = time.perf_counter()
     judge = GPUJudge(wl, policy, ctx)
     # a transition state lasts minutes, not the hour the margin insures: states are judged at the
@@ -356,12 +452,13 @@ def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: 
                          ttft_p99_s=policy.ttft_p99_s, max_adapters=policy.max_adapters,
                          criterion=policy.criterion)
     start, retired, pending = current_state(current, wl)
-    cands = [incremental(start, pending, retired, wl, policy, ctx, judge, costs, consolidate)]
+    cands = [incremental(start, pending, retired, wl, policy, ctx, judge, costs, consolidate, restart)
+             for restart in ((False, True) if restarts else (False,))]
     if scratch:
         cands.append(from_scratch(start, retired, wl, scratch_p or scratch_placement(wl, policy, ctx)))
     feasible = [c for c in cands if not c.unplaceable] or cands
-    best = min(feasible, key=lambda c: costs.key(len(c.instances), c.restarts, c.moves))
-    states_judge = GPUJudge(wl, at_load, ctx)
+    best = min(feasible, key=lambda c: c.key(costs))
+    states_judge = StateJudge(wl, at_load, ctx, judge)
     plan = transition_plan(current, start, retired, best, wl, states_judge, host=host, base_port=base_port)
     plan["candidates"] = [c.summary(costs) for c in cands]
     plan["chosen"] = best.name

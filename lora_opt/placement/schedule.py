@@ -46,6 +46,13 @@ class Step:
     gpus_starving: int | None = None
     """Starving GPUs when the step's placement is replayed on the twin (None = not evaluated)."""
     wall_s: float = 0.0
+    restart_kept: int = 0
+    """Adapters the step's restarted instances keep (not moves: a restart starts with them)."""
+    scratch_restart_kept: int = 0
+    """The same for re-placing from scratch."""
+    candidate: str = ""
+    """The replan candidate chosen (``incremental``, ``incremental-restart``, ``from-scratch``;
+    empty for step 0, placed from scratch)."""
 
 
 def run_schedule(workloads: list[Workload], policy, ctx_for: Callable[[Workload], object], *,
@@ -71,7 +78,8 @@ def run_schedule(workloads: list[Workload], policy, ctx_for: Callable[[Workload]
             s = from_scratch(start, retired, wl, scratch)
             row = Step(k, wl.name, len(wl.adapters), wl.total_rate, len(p.gpus), r.chosen.moves, r.chosen.loads,
                        r.chosen.unloads, r.chosen.restarts, plan["peak_gpus"], plan["transition_ok"],
-                       len(scratch.gpus), s.moves, s.restarts)
+                       len(scratch.gpus), s.moves, s.restarts, restart_kept=r.chosen.restart_kept,
+                       scratch_restart_kept=s.restart_kept, candidate=r.chosen.name)
         if evaluate:
             ev = evaluate_placement(p, wl, workers=1, progress=False)
             row.gpus_starving = ev["gpus_starving"] + ev["gpus_failing_startup"]
@@ -96,6 +104,9 @@ def totals(rows: list[Step], step_s: float) -> dict:
         "saved_vs_static_peak": 1.0 - gh / static if static else 0.0,
         "moves": sum(r.moves for r in rows), "moves_from_scratch": sum(r.scratch_moves for r in rows),
         "restarts": sum(r.restarts for r in rows), "restarts_from_scratch": sum(r.scratch_restarts for r in rows),
+        "restart_kept": sum(r.restart_kept for r in rows),
+        "restart_kept_from_scratch": sum(r.scratch_restart_kept for r in rows),
+        "candidates_chosen": {c: sum(r.candidate == c for r in rows) for c in sorted({r.candidate for r in rows} - {""})},
         "transitions_not_ok": [r.step for r in rows if not r.transition_ok],
         "steps_starving": [r.step for r in rows if r.gpus_starving],
         "peak_gpus_during_transitions": max(r.peak_gpus for r in rows),

@@ -506,21 +506,30 @@ class GreedyPlus(_GreedyBase):
             return False                  # vLLM refuses to load it
         if cfg is not None and self.verify_s > 0:
             return self._twin_ok(wl, ctx, idx, cfg.max_loras, cfg)
+        if cfg is None:
+            return self.gpu_choice(wl, ctx, idx) is not None
         ranks, rates = np.array([a.rank for a in ads]), np.array([a.rate for a in ads], float)
         order = np.asarray(idx)[priority_order(ranks, rates)]
         seg = Segments([wl.adapters[i].rank for i in order], [wl.adapters[i].rate for i in order])
-        oracle = ctx.oracle(self.oracle_kind)
-        if cfg is not None:
-            n, a = np.array([len(ads)]), np.array([cfg.max_loras])
-            X = np.concatenate([seg.rows(0, n, a, pad_to=MIN_ADAPTERS_PER_GPU),
-                                seg.rows(0, n, a, self.load_factor, pad_to=MIN_ADAPTERS_PER_GPU)])
-            return bool(oracle.predict(X)[1].all())
-        e = wl.resolved_engine(ctx.profile)
+        n, a = np.array([len(ads)]), np.array([cfg.max_loras])
+        X = np.concatenate([seg.rows(0, n, a, pad_to=MIN_ADAPTERS_PER_GPU),
+                            seg.rows(0, n, a, self.load_factor, pad_to=MIN_ADAPTERS_PER_GPU)])
+        return bool(ctx.oracle(self.oracle_kind).predict(X)[1].all())
+
+    def gpu_choice(self, wl: Workload, ctx: PlacementContext, idx) -> int | None:
+        """The A_max (``--max-loras``) ``place`` chooses for one GPU serving the adapters ``idx``
+        (non-empty), its own test passed; None if the GPU fails it at every A_max."""
+        ranks = np.array([wl.adapters[i].rank for i in idx])
+        order = np.asarray(idx)[priority_order(ranks, np.array([wl.adapters[i].rate for i in idx], float))]
+        seg = Segments([wl.adapters[i].rank for i in order], [wl.adapters[i].rate for i in order])
+        oracle, e = ctx.oracle(self.oracle_kind), wl.resolved_engine(ctx.profile)
         mem_cap = max_loras_that_start(ctx.profile, int(ranks.max()), e.gpu_memory_utilization,
                                        e.max_num_batched_tokens, e.max_model_len, e.max_num_seqs, self.max_adapters)
         if self.verify_s > 0:
-            return self._verified(wl, ctx, oracle, seg, order, 0, len(ads), mem_cap)[0]
-        return self._best(oracle, seg, 0, len(ads), min(mem_cap, SURROGATE_MAX_ADAPTERS))[0]
+            r = self._verified(wl, ctx, oracle, seg, order, 0, len(idx), mem_cap)
+        else:
+            r = self._best(oracle, seg, 0, len(idx), min(mem_cap, SURROGATE_MAX_ADAPTERS))
+        return r[1] if r[0] else None
 
     def _balanced(self, K, wl, ctx, oracle, seg, order, mem_caps, ranks, notes):
         """K GPUs with the priority order cut into parts of equal weight (half load, half adapter
