@@ -7,6 +7,7 @@ one, and two writers never share a temporary name.
 """
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -65,6 +66,15 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1, def
                       allow_nan: bool = True) -> Path:
     """:func:`atomic_write_bytes` of ``obj`` as JSON."""
     return atomic_write_text(path, json.dumps(obj, indent=indent, default=default, allow_nan=allow_nan))
+
+
+def atomic_write_rows(path: str | Path, rows: list[dict], columns) -> Path:
+    """Dict rows as CSV (header ``columns``, in that order; other keys left out), written atomically."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return atomic_write_text(path, buf.getvalue())
 
 
 def atomic_write_csv(path: str | Path, df, **to_csv_kwargs) -> Path:

@@ -8,8 +8,6 @@ against its send time, the steps shaded) and ``report.md``."""
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import json
 import logging
 import math
@@ -20,7 +18,7 @@ from pathlib import Path
 from lora_opt.apply.executor import ApplyOptions, PlanExecutor
 from lora_opt.apply.transition import WINDOWS, TrafficOptions, measure
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
-from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_text
+from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.plan import Placement
 from lora_opt.tracking import log_command_run
 from lora_opt.validate.live import emulator_lags
@@ -49,14 +47,6 @@ def read_plan(path: str | Path) -> tuple[dict, Placement, Path]:
     except (OSError, ValueError) as exc:
         raise InputError(f"PLAN: the new placement {placement_path} cannot be read: {exc}") from None
     return plan, placement, plan_path.parent
-
-
-def _csv(rows: list[dict], columns) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
 
 
 def _log_step(res) -> None:
@@ -98,11 +88,11 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
                                 "running": keep_launched} for n, s in ex.launched.items()},
                "options": {k: str(v) for k, v in asdict(opts).items()}, "traffic": asdict(traffic)}
     written = [atomic_write_json(out / "apply.json", summary, indent=1),
-               atomic_write_text(out / "steps.csv", _csv(steps, ("step", "action", "instance", "started_s", "ended_s",
-                                                                 "status", "detail")))]
+               atomic_write_rows(out / "steps.csv", steps, ("step", "action", "instance", "started_s", "ended_s",
+                                                            "status", "detail"))]
     if "rows" in got:
         cols = list(got["rows"][0]) if got["rows"] else ["request"]
-        written.append(atomic_write_text(out / "requests.csv", _csv(got["rows"], cols)))
+        written.append(atomic_write_rows(out / "requests.csv", got["rows"], cols))
         written.append(write_plot(got["rows"], got["steps"], traffic.speed, out / "transition.png",
                                   got["verdict"]["slo_ttft_p99_ms"]))
         written.append(atomic_write_text(out / "report.md", report_md(summary)))

@@ -7,7 +7,6 @@ before the twin runs, so neither a twin that cannot run (``twin_error.json``, ex
 loses it."""
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
 import io
@@ -19,7 +18,7 @@ import numpy as np
 
 from lora_opt.emulate.client import PromptTokens
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, EXIT_TWIN_FAILED
-from lora_opt.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from lora_opt.io import atomic_write_bytes, atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.evaluate import (GRACE_S, Criterion, evaluate_placement, evaluation_from_results,
                                          route_requests, workload_requests)
 from lora_opt.placement.plan import Placement
@@ -37,14 +36,6 @@ log = logging.getLogger(__name__)
 #: the metrics compared per GPU (key in the per-GPU comparison)
 COMPARED = ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms", "completed",
             "running_mean", "waiting_mean", "kv_usage_mean")
-
-
-def _csv(rows: list[dict], columns) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
 
 
 def _series_mean(t: np.ndarray, v: np.ndarray, T: float) -> float:
@@ -186,8 +177,8 @@ def validate_placement(p: Placement, wl: Workload, urls: dict[int, str], out: st
     admitted, admission, admission_info = admit_requests(p, req, target, versions, limits)
     rows = request_rows(records, req, target, url_of, models, speed, admission)
     srows = series_rows(scrapes)
-    atomic_write_text(out / "requests.csv", _csv(rows, REQUEST_COLUMNS))
-    atomic_write_text(out / "timeseries.csv", _csv(srows, SERIES_COLUMNS))
+    atomic_write_rows(out / "requests.csv", rows, REQUEST_COLUMNS)
+    atomic_write_rows(out / "timeseries.csv", srows, SERIES_COLUMNS)
     late = send_lateness_ms(records)
     lags = emulator_lags(urls)
     _warn_if_late(late, lags, speed)
@@ -337,7 +328,7 @@ def write_twin(out: Path, twin_ev, comparison, twin_series, twin_raw) -> None:
     atomic_write_json(out / "comparison.json", comparison)
     twin_rows = [{"time_s": t, "gpu": g, **{k: s[k][i] for k in ("running", "waiting", "kv_usage")}}
                  for g, s in sorted(twin_series.items()) for i, t in enumerate(s["time_s"])]
-    atomic_write_text(out / "twin_timeseries.csv", _csv(twin_rows, ("time_s", "gpu", "running", "waiting", "kv_usage")))
+    atomic_write_rows(out / "twin_timeseries.csv", twin_rows, ("time_s", "gpu", "running", "waiting", "kv_usage"))
     (out / TWIN_ERROR_FILE).unlink(missing_ok=True)
 
 
