@@ -167,7 +167,10 @@ def summary_rows(df):
 def report(df, summary, infos, args, wall_s, out_dir):
     f = (lambda x, d=0: "-" if x is None or x != x else f"{x:,.{d}f}")
     lines = ["# Static placement vs every adapter on every GPU, on the fleet twin", "",
-             f"Reproduce: `python experiments/fleet_comparison.py{' --quick' if args.quick else ''}` "
+             f"Reproduce: `python experiments/fleet_comparison.py{' --quick' if args.quick else ''}"
+             f"{'' if args.quick or args.adapters == 1000 else f' --adapters {args.adapters}'}"
+             f"{'' if args.seed == 0 else f' --seed {args.seed}'}"
+             f"{'' if str(out_dir.resolve()) == str(OUT) else f' --out experiments/{out_dir.name}'}` "
              f"({args.adapters:,} adapters, ranks {{8, 16, 32}}, power-law popularity alpha {ALPHA:g}, "
              f"time compressed {args.compress:g}x, seed {args.seed}; {wall_s / 60:.1f} min on this machine). Profile {PROFILE} "
              "(vLLM 0.8.5 on H100 64 GB). SLO: no starving GPU (rho 0.9, grace 60 s), none failing to start, "
