@@ -81,7 +81,9 @@ def test_the_router_answers_its_table_and_refuses_a_malformed_switch():
         assert r.status_code == 400 and "weight must be a finite number > 0" in r.json()["error"]["message"]
         assert client.post("/router/routes", json={"routes": {"a": [{"endpoint": "http://h:2/v1"}]}}).json() == \
             {"adapters": 1, "new_endpoints": ["http://h:2/v1"]}
-        assert client.get("/router/routes").json()["endpoints"] == ["http://h:1/v1", "http://h:2/v1"]
+        doc = client.get("/router/routes").json()
+        assert doc["endpoints"] == ["http://h:1/v1", "http://h:2/v1"]
+        assert doc["connecting"] == {"http://h:1/v1": 0, "http://h:2/v1": 0}   # grown with the endpoints
 
 
 # ---- plans that fail, and bad input ------------------------------------------------------------
@@ -142,6 +144,56 @@ def test_a_stop_of_an_instance_lora_opt_did_not_start_is_left_to_its_operator(tm
     summary = json.loads((tmp_path / "out" / "apply.json").read_text())
     assert [s["status"] for s in summary["steps"]] == ["ok", "left"]
     assert "stop its vLLM process" in summary["steps"][1]["detail"]
+
+
+class _RouterAndInstance(http.server.BaseHTTPRequestHandler):
+    """A router whose last switch left 2 requests on their way to the old instance (for 3 reads of
+    its table), and that instance's unload endpoint: records the order of the calls."""
+
+    calls: list = []
+
+    def _answer(self, doc: dict):
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        reads = sum(c == "GET" for c in self.calls)
+        self.calls.append("GET")
+        ep = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self._answer({"routes": {"x": [{"endpoint": ep, "weight": 1.0}]}, "connecting": {ep: 2 if reads < 4 else 0}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.calls.append(self.path)
+        self._answer({"adapters": 1, "new_endpoints": []})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_unload_after_a_switch_waits_for_requests_still_on_their_way(tmp_path):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RouterAndInstance)
+    _RouterAndInstance.calls = []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    steps = [{"step": 1, "action": "route", "weights": {"x": [["gpu0", url, 1.0]]}},
+             {"step": 2, "action": "unload", "instance": "gpu0",
+              "request": {"method": "POST", "url": f"{url}/v1/unload_lora_adapter", "json": {"lora_name": "x"}}}]
+    try:
+        d = _placement_dir(tmp_path, {"steps": steps, "endpoints": {"gpu0": url}, "instances": []})
+        summary, code = apply_plan(d, opts=ApplyOptions(router=url, unload_grace_s=0.0), out=tmp_path / "out",
+                                   track=False)
+    finally:
+        srv.shutdown()
+    assert code == EXIT_OK, summary["steps"]
+    calls = _RouterAndInstance.calls
+    # preflight's read, the switch, reads until nothing is on its way to the old instance, then the unload
+    assert calls[:2] == ["GET", "/router/routes"] and calls[-1] == "/v1/unload_lora_adapter"
+    assert calls[2:-1] == ["GET"] * 4, calls
 
 
 @pytest.mark.parametrize("plan, argv, needle", [

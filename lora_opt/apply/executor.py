@@ -15,9 +15,10 @@ Each step is what ``lora_opt.placement.replan_steps`` wrote, done the way vLLM t
 * ``stop``: an instance this executor launched is terminated; an emulated one gets ``POST
   /emulator/shutdown``; any other is left running for its operator (it has no traffic now).
 
-After ``route`` and before the unloads that follow it, the executor waits ``unload_grace_s``: a
-request the router picked the old instance for just before the switch reaches it before its
-adapter goes.  The first step that fails stops the run (later steps are ``skipped``): the fleet
+After ``route`` and before the unloads that follow it, the executor waits until the router has
+no request for the old instance still on its way (``GET /router/routes`` ``connecting``: picked
+before the switch, not yet answered -- it may name the adapter about to go), then
+``unload_grace_s`` more.  The first step that fails stops the run (later steps are ``skipped``): the fleet
 stays in the last state the plan judged, never in one it did not.
 """
 from __future__ import annotations
@@ -179,7 +180,7 @@ class PlanExecutor:
         action = s["action"]
         if action in ("load", "unload"):
             if action == "unload" and previous is not None and previous["action"] == "route":
-                await asyncio.sleep(self.opts.unload_grace_s)
+                await self._settle(client, s["request"]["url"])
             req = dict(s["request"])
             body = dict(req["json"])
             if action == "load" and self.opts.adapter_dir:
@@ -202,6 +203,19 @@ class PlanExecutor:
         if action == "drain":
             return await self._drain(client, self.endpoints[s["instance"]])
         return await self._stop(client, s["instance"])
+
+    async def _settle(self, client, unload_url: str) -> None:
+        """Before the unloads that follow a route switch: wait until the router has no request
+        picked for that instance still on its way (``connecting``: sent, not yet answered -- it may
+        name the adapter being unloaded), then ``unload_grace_s`` more."""
+        endpoint = unload_url.rsplit("/v1/", 1)[0].rstrip("/") + "/v1"
+        t = time.perf_counter()
+        while time.perf_counter() - t < CALL_TIMEOUT_S:
+            r = await client.get(f"{self.opts.router.rstrip('/')}/router/routes", timeout=CALL_TIMEOUT_S)
+            if r.status_code != 200 or not r.json().get("connecting", {}).get(endpoint, 0):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(self.opts.unload_grace_s)
 
     def launch_command(self, s: dict) -> ServeCommand:
         """The ``vllm serve`` command of a launch step: the new placement's flags and adapters for

@@ -102,6 +102,8 @@ class RouteTable:
         self.policy = make_router(policy, setup)
         self.view = FleetView(np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n),
                               [frozenset()] * n, [frozenset()] * n, np.zeros(n, np.int64))
+        self.connecting = np.zeros(n, np.int64)
+        """Per instance: requests sent whose response has not begun (the instance has not taken them yet)."""
         self.engines = None
         if engines is not None:
             if len(engines) != n:
@@ -169,6 +171,7 @@ class RouteTable:
             for name in ("in_flight", "waiting", "running", "kv_usage", "max_loras"):
                 arr = getattr(v, name)
                 setattr(v, name, np.concatenate([arr, np.zeros(grow, arr.dtype)]))
+            self.connecting = np.concatenate([self.connecting, np.zeros(grow, np.int64)])
             v.running_adapters = list(v.running_adapters) + [frozenset()] * grow
             v.waiting_adapters = list(v.waiting_adapters) + [frozenset()] * grow
         index = {ep: k for k, ep in enumerate(self.endpoints)}
@@ -286,7 +289,8 @@ async def until_client_gone(request) -> None:
 
 def add_route_admin(app, table: RouteTable) -> None:
     """The router's own administration (not vLLM's API), what ``lora-opt apply``'s route steps
-    call: ``GET /router/routes`` (policy, endpoints, the table as it stands) and ``POST
+    call: ``GET /router/routes`` (policy, endpoints, the table as it stands, and per endpoint the
+    requests sent that it has not answered yet: ``connecting``) and ``POST
     /router/routes`` with ``{"routes": {adapter id: [{endpoint, weight}]}}`` (:meth:`RouteTable.reroute`;
     400 for a malformed table, 409 for a policy whose routes cannot change while it runs)."""
     from fastapi import Request
@@ -294,7 +298,8 @@ def add_route_admin(app, table: RouteTable) -> None:
 
     @app.get("/router/routes")
     async def routes():
-        return {"policy": table.policy.name, "endpoints": list(table.endpoints), "routes": table.table()}
+        return {"policy": table.policy.name, "endpoints": list(table.endpoints), "routes": table.table(),
+                "connecting": dict(zip(table.endpoints, table.connecting.tolist()))}
 
     @app.post("/router/routes")
     async def reroute(request: Request):
@@ -353,11 +358,14 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
         streaming = False
         try:
             headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+            table.connecting[engine] += 1       # picked, not yet answered: a replan's unload waits for these
             try:
                 upstream = client.build_request("POST", endpoint + suffix, content=raw, headers=headers)
                 resp = await send_upstream(request, upstream)
             except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
                 return error(upstream_error(exc, endpoint, read_timeout_s))
+            finally:
+                table.connecting[engine] -= 1
             if resp is None:
                 return Response(status_code=499)          # nobody reads it: the client went away
             media_type = resp.headers.get("content-type")
