@@ -31,6 +31,7 @@ import numpy as np
 import yaml
 
 from lora_opt.emulate.fleet import free_ports
+from lora_opt.placement.replan_steps import step_counts
 from lora_opt.tracking import log_command_run
 
 OUT = Path(__file__).resolve().parent / "replan_apply"
@@ -128,13 +129,10 @@ def report(results: dict, command: str, wall_s: float) -> str:
              "plan's states | twin p99 of the new placement | emulator late p99 (wall ms) | verdict |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, s in results.items():
-        counts: dict[str, int] = {}
-        for st in s["steps"]:
-            counts[st["action"]] = counts.get(st["action"], 0) + 1
         w, v = s["windows"], s["verdict"]
         late = max((x["first_token_late_ms"].get("p99", 0.0) for x in s["info"].get("emulator_late_wall_ms", {}).values()),
                    default=float("nan"))
-        lines.append(f"| {name} | {', '.join(f'{n} {k}' for k, n in counts.items())} | {v['failed_requests']} | "
+        lines.append(f"| {name} | {step_counts(s['steps'])} | {v['failed_requests']} | "
                      f"{sum(w[x]['held'] for x in ('before', 'during', 'after'))} | {w['before']['ttft_p99_ms']:.0f} | "
                      f"{w['during']['ttft_p99_ms']:.0f} | {w['after']['ttft_p99_ms']:.0f} | "
                      f"{v['slo_ttft_p99_ms']:.0f} | {s['twin_p99_ttft_after_ms']:.0f} | {late:.0f} | "

@@ -103,6 +103,8 @@ class PlanExecutor:
         if not isinstance(steps, list) or not all(isinstance(s, dict) and s.get("action") in ACTIONS for s in steps):
             raise InputError(f"plan: 'steps' must be a list of steps with an action in {', '.join(ACTIONS)}")
         self.endpoints = dict(self.plan.get("endpoints") or {})
+        # the instances serving when the plan starts (kept or to be stopped), in the plan's order
+        self.running = [it["instance"] for it in self.plan.get("instances", []) if it.get("current_gpu") is not None]
         self.results = [StepResult(s.get("step", k + 1), s["action"], str(s.get("instance", "")))
                         for k, s in enumerate(steps)]
         if any(s["action"] == "route" for s in steps) and not self.opts.router:
@@ -113,23 +115,20 @@ class PlanExecutor:
 
     def running_urls(self) -> list[str]:
         """The URLs of the instances running when the plan starts (kept or to be stopped)."""
-        return [self.endpoints[it["instance"]] for it in self.plan.get("instances", [])
-                if it.get("current_gpu") is not None and it["instance"] in self.endpoints]
+        return [self.endpoints[n] for n in self.running if n in self.endpoints]
 
     def live(self) -> dict[str, str]:
         """Instance name -> URL of those serving now: running at the start and not stopped by a
         step that ran, and those this executor launched."""
         stopped = {r.instance for r in self.results if r.action == "stop" and r.status == "ok"}
-        names = [it["instance"] for it in self.plan.get("instances", []) if it.get("current_gpu") is not None]
-        names += [n for n in self.launched if self.launched[n].proc is not None]
+        names = self.running + [n for n in self.launched if self.launched[n].proc is not None]
         return {n: self.endpoints[n] for n in names if n not in stopped and n in self.endpoints}
 
     async def preflight(self, client) -> None:
         """Every instance the plan keeps or stops answers ``/health``; the router's table is read
         (``routed``).  Raises :class:`InputError` naming what does not answer."""
-        running = {it["instance"] for it in self.plan.get("instances", []) if it.get("current_gpu") is not None}
         dead = []
-        for name in sorted(running):
+        for name in sorted(self.running):
             url = self.endpoints.get(name)
             try:
                 ok = url is not None and (await client.get(f"{url}/health", timeout=5.0)).status_code == 200

@@ -8,6 +8,7 @@ against its send time, the steps shaded) and ``report.md``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from lora_opt.apply.transition import WINDOWS, TrafficOptions, measure
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.plan import Placement
+from lora_opt.placement.replan_steps import step_counts
 from lora_opt.tracking import log_command_run
 from lora_opt.validate.live import emulator_lags
 
@@ -62,7 +64,7 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
     t_start = time.time()
     plan, placement, _ = read_plan(plan_path)
     out = Path(out)
-    opts = ApplyOptions(**{**asdict(opts), "log_dir": out / "logs"})
+    opts = dataclasses.replace(opts, log_dir=out / "logs")
     ex = PlanExecutor(plan, placement, opts)
     interrupted = False
     try:
@@ -166,11 +168,8 @@ def report_md(summary: dict) -> str:
         d = win[w]
         lines.append(f"| {w} | {d['requests']} | {d['ok']} | {d['failed']} | {d['held']} | {d['unfinished']} | "
                      f"{d['ttft_mean_ms']:.0f} | {d['ttft_p50_ms']:.0f} | {d['ttft_p99_ms']:.0f} | {d['ttft_max_ms']:.0f} |")
-    counts: dict[str, int] = {}
-    for s in summary["steps"]:
-        counts[f"{s['action']} {s['status']}"] = counts.get(f"{s['action']} {s['status']}", 0) + 1
     lines += ["", f"Steps ({win['steps_start_s']:.1f}-{win['steps_end_s']:.1f} simulated s): "
-              + ", ".join(f"{n} {k}" for k, n in counts.items()), "",
+              + step_counts(summary["steps"], status=True), "",
               "Held requests: requests of adapters new to the workload sent before their route step (not sent; no "
               "instance served them yet).", "", "![TTFT during the transition](transition.png)", ""]
     return "\n".join(lines)

@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.apply.executor import ApplyOptions
     from lora_opt.apply.run import apply_plan
     from lora_opt.apply.transition import TrafficOptions
+    from lora_opt.placement.replan_steps import step_counts
     from lora_opt.placement.workload_file import load_workload
 
     wl = load_workload(args.workload) if args.workload else None
@@ -64,10 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(summary, default=str) + "\n")
         return code
-    counts: dict[str, int] = {}
-    for s in summary["steps"]:
-        counts[f"{s['action']} {s['status']}"] = counts.get(f"{s['action']} {s['status']}", 0) + 1
-    print(f"steps: {', '.join(f'{n} {k}' for k, n in counts.items()) or 'none'}")
+    print(f"steps: {step_counts(summary['steps'], status=True) or 'none'}")
     v = summary["verdict"]
     if summary.get("windows"):
         w = summary["windows"]

@@ -125,6 +125,7 @@ def history_workload(current, log: str):
 
 def plan_summary(plan: dict) -> str:
     """The candidates, the instances' fate, the step counts and the transition's verdict, as text."""
+    from lora_opt.placement.replan_steps import step_counts
     lines = [f"{'candidate':<19} {'GPUs':>4} {'moves':>6} {'loads':>6} {'unloads':>7} {'restarts':>8} "
              f"{'launches':>8} {'cost':>7}"]
     for c in plan["candidates"]:
@@ -136,10 +137,7 @@ def plan_summary(plan: dict) -> str:
     for it in plan["instances"]:
         acts.setdefault(it["action"], []).append(it["instance"])
     lines.append("instances: " + "; ".join(f"{k} {', '.join(v)}" for k, v in acts.items()))
-    counts: dict[str, int] = {}
-    for s in plan["steps"]:
-        counts[s["action"]] = counts.get(s["action"], 0) + 1
-    lines.append(f"steps: {len(plan['steps'])} ({', '.join(f'{v} {k}' for k, v in counts.items()) or 'none'}); "
+    lines.append(f"steps: {len(plan['steps'])} ({step_counts(plan['steps']) or 'none'}); "
                  f"peak GPUs during the transition {plan['peak_gpus']}")
     if plan["starving_at_start"]:
         lines.append(f"starving under the new demand before the plan: {', '.join(plan['starving_at_start'])}")

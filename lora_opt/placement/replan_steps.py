@@ -8,6 +8,7 @@ and the judge (``replan.GPUJudge``) come from there; nothing here decides a plac
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from lora_opt.placement.vllm_launch import adapter_path
 
@@ -33,6 +34,13 @@ def unload_request(aid: str, url: str) -> dict:
     """The HTTP call that unloads adapter ``aid``: vLLM drops the name from its registry, requests
     already running finish, the weights leave the GPU and CPU caches lazily (LRU)."""
     return {"method": "POST", "url": f"{url}/v1/unload_lora_adapter", "json": {"lora_name": aid}}
+
+
+def step_counts(steps: list[dict], *, status: bool = False) -> str:
+    """A plan's steps counted by action, in the order they first occur ("2 unload, 1 launch");
+    ``status``: by action and outcome ("2 unload ok, 1 launch failed", ``lora-opt apply``'s)."""
+    counts = Counter(f"{s['action']} {s['status']}" if status else s["action"] for s in steps)
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
 
 
 class _Transition:
