@@ -13,12 +13,13 @@ estimator (times are converted to simulated ms: wall x ``speed``; ``speed`` = 1 
   one read (no gap above zero), a step <= 0, bursts or disagreeing streams make it ``noisy``.
 * **Prefill cost** (:func:`ttft_runs`): the TTFT of one request on an idle server is its chunked
   prefill steps plus a constant (HTTP, front end); the slope over prompt lengths is the per-token cost.
-* **Adapter load time** (:func:`burst_load_ms`): a long "pacer" stream on a resident adapter; a burst
-  of K one-token requests on K non-resident adapters; the pacer's next M steps take longer by the
-  burst's loads.  The same burst again (now resident) gives the same steps without the loads: the
-  difference of the two M-step sums is K loads (the burst's prefill and LoRA terms cancel).  The warm
-  window is measured :data:`WARM_REPEATS` times: their spread is the measurement's own noise, and a
-  load <= 0 or within :data:`LOAD_MIN_SIGMAS` of it is ``noisy`` (:func:`load_verdict`).
+* **Adapter load time** (:func:`cycle_load_ms`): lone one-token requests, one after the other, cycling
+  over adapters: over a few that sit in slots (no load), over one more than the slots (vLLM's LRU
+  misses on every request: each copies an adapter from the CPU cache into a slot) and over one more
+  than the CPU cache (each reads one from disk first).  The differences of the median TTFTs are one
+  load each; the medians' spread is the measurement's own noise, and a load <= 0 or within
+  :data:`LOAD_MIN_SIGMAS` of it is ``noisy`` (:func:`load_verdict`).  (Issue 24: a burst beside a
+  pacer stream, the earlier method, left the real CPU server's 2-9 ms loads inside its noise.)
 
 Prompts are token ids the server accepts (:class:`lora_opt.emulate.client.PromptTokens`); a failed
 request's note carries the HTTP status and the server's message (:func:`failure_note`).
@@ -52,14 +53,18 @@ MAX_STREAM_SPREAD = 0.02
 #: a window needs at least this many gaps above zero: fewer, and the tokens came in a few reads (a
 #: server or proxy that buffers the stream) -- the client cannot see the steps at all
 MIN_POSITIVE_GAPS = 4
-#: pacer steps a load burst is given to finish in
-BURST_WINDOW_STEPS = 40
-#: times the warm burst's window is measured: their spread is the load measurement's noise
-WARM_REPEATS = 3
-#: warm windows whose burst overran the window (a busy machine) measured again, at most this many
-WARM_RETRIES = 2
-#: a load is trusted when it exceeds this many standard deviations of its own noise (with the sd from
-#: WARM_REPEATS windows, a load that is really 0 passes ~5 % of the time: Student t, 2 dof)
+#: adapters of the warm cycle (every one in a slot): its lone requests load nothing
+WARM_CYCLE = 4
+#: passes over each cycle measured, after an unmeasured one that brings vLLM's two LRU tiers to the
+#: cycle's steady state; the warm cycle is short, so more passes give it as many requests as the others
+LOAD_PASSES = {"warm": 8, "cpu": 2, "disk": 1}
+#: rounds of the three cycles (warm, CPU, disk), interleaved: a server whose speed drifts during the
+#: measurement slows all three alike
+LOAD_ROUNDS = 2
+#: prompt tokens of a lone load request (one output token): a short prefill, the load dominates
+LOAD_PROMPT_TOKENS = 16
+#: a load is trusted when it exceeds this many standard deviations of its own noise (a load that is
+#: really 0 passes ~0.1 % of the time)
 LOAD_MIN_SIGMAS = 3.0
 
 
@@ -176,97 +181,60 @@ async def ttft_runs(url: str, model: str, prompt: int, reps: int, speed: float, 
     return out, note
 
 
-async def _wait_tokens(rec: Record, n: int, task: asyncio.Future, timeout_s: float) -> bool:
-    end = time.perf_counter() + timeout_s
-    while len(rec.token_times) < n:
-        if task.done() or time.perf_counter() > end:
-            return False
-        await asyncio.sleep(0.0005)
-    return True
+def _median_sd(x: np.ndarray) -> float:
+    """The sd of a sample's median, from its MAD (robust to the odd request the machine delayed)."""
+    mad = float(np.median(np.abs(x - np.median(x))))
+    return 1.2533 * 1.4826 * mad / math.sqrt(x.size)
 
 
-def _pacer_stopped(pacer: Record, task: asyncio.Future, timeout_s: float) -> str:
-    """Why the pacer gave no more tokens (after :func:`_wait_tokens` gave up)."""
-    if not task.done():
-        return f"the pacer stream gave no token for {timeout_s:g} s"
-    return (f"the pacer stream ended ({failure_note([pacer]) or f'all {pacer.out_len} tokens used'}) before the "
-            "measurement did")
-
-
-async def _burst_span(url: str, pacer: Record, task, models: list[str], t0: float, k0: int,
-                      timeout_s: float, prompts: PromptTokens | None) -> tuple[float | None, str]:
-    """Send one-token requests on ``models`` right after a pacer token; the pacer's next
-    BURST_WINDOW_STEPS steps (wall s), or None and why (the burst did not finish inside them, a
-    request failed)."""
-    i0 = len(pacer.token_times) - 1
-    burst = await asyncio.gather(*[_send(url, m, 16, 1, t0, k0 + k, prompts) for k, m in enumerate(models)])
-    if not all(_complete(b) for b in burst):
-        return None, f"a burst request failed: {failure_note([b for b in burst if not _complete(b)])}"
-    if not await _wait_tokens(pacer, i0 + 1 + BURST_WINDOW_STEPS, task, timeout_s):
-        return None, _pacer_stopped(pacer, task, timeout_s)
-    t_end = pacer.token_times[i0 + BURST_WINDOW_STEPS]
-    if max(b.token_times[-1] for b in burst) > t_end:
-        return None, f"a burst did not finish within {BURST_WINDOW_STEPS} pacer steps"
-    return t_end - pacer.token_times[i0], ""
-
-
-def load_verdict(cold_ms: float, warm_ms: list[float]) -> dict:
-    """The burst's load time (cold minus the warm windows' mean, ms), its noise (the sd of that
-    difference, from the warm windows' spread) and ``noisy`` ('' or why it cannot be trusted: <= 0,
-    or within LOAD_MIN_SIGMAS of its noise)."""
-    warm = np.asarray(warm_ms, float)
-    load = float(cold_ms - warm.mean())
-    # cold and each warm window are the same measurement (but for the loads): the warm ones' sd is
-    # one window's noise; cold minus a mean of n has sd * sqrt(1 + 1/n)
-    noise = float(warm.std(ddof=1) * math.sqrt(1.0 + 1.0 / warm.size)) if warm.size > 1 else math.nan
+def load_verdict(cold_ms: list[float], warm_ms: list[float]) -> dict:
+    """One load's cost (ms): the median TTFT of lone requests that load minus that of lone requests
+    that do not; its noise (the sd of that difference, each median's from its MAD); ``noisy`` ('' or
+    why it cannot be trusted: <= 0, or within :data:`LOAD_MIN_SIGMAS` of its noise)."""
+    cold, warm = np.asarray(cold_ms, float), np.asarray(warm_ms, float)
+    load = float(np.median(cold) - np.median(warm))
+    noise = math.hypot(_median_sd(cold), _median_sd(warm))
     if not load > 0:
-        why = (f"load {load:.3g} ms <= 0: the loads were not seen (cold window {cold_ms:.4g} ms, "
-               f"warm {warm.mean():.4g} ms)")
+        why = (f"load {load:.3g} ms <= 0: the loads were not seen (median TTFT {np.median(cold):.4g} ms loading, "
+               f"{np.median(warm):.4g} ms not)")
     elif not load > LOAD_MIN_SIGMAS * noise:
-        why = (f"load {load:.3g} ms within its noise (sd {noise:.3g} ms over {warm.size} warm windows; "
+        why = (f"load {load:.3g} ms within its noise (sd {noise:.3g} ms over {cold.size} + {warm.size} requests; "
                f"needs > {LOAD_MIN_SIGMAS:g} sd)")
     else:
         why = ""
-    return {"load_ms": load, "noise_ms": noise, "noisy": why}
+    return {"load_ms": load, "noise_ms": noise, "noisy": why, "n": int(cold.size),
+            "cold_ms": float(np.median(cold)), "warm_ms": float(np.median(warm))}
 
 
-async def burst_load_ms(url: str, pacer_model: str, models: list[str], speed: float, *, seed: int = 0,
-                        timeout_s: float = 120.0, prompts: PromptTokens | None = None) -> dict:
-    """Total load time (ms) of ``models`` (not resident): the pacer's window with the cold burst
-    minus the same window with the same burst warm (WARM_REPEATS times; :func:`load_verdict`)."""
-    t0 = time.perf_counter()
-    prompts = prompts or PromptTokens()
-    # twice the tokens the windows need (a server that delivers tokens in bursts -- vLLM's CPU build:
-    # up to ~10 per read -- overshoots every wait), within max_model_len; cancelled when done
-    pacer = Record(0.0, 16, prompts.longest(16, 2 * (1 + WARM_REPEATS + WARM_RETRIES) * (BURST_WINDOW_STEPS + 2) + 16))
-    host, port, root = split_url(url)
-    task = asyncio.ensure_future(_one(host, port, root + "/v1/completions", pacer_model, pacer, t0,
-                                      prompts.prompt(seed * 100_000 + 99_999, 16), count_token_ids=True))
-    spans, why = [], ""
-    try:
-        if not await _wait_tokens(pacer, 4, task, timeout_s):
-            return {"ok": False, "why": f"the pacer stream did not start: {_pacer_stopped(pacer, task, timeout_s)}"}
-        attempts = 0
-        while len(spans) < 1 + WARM_REPEATS:         # the cold burst, then the same adapters warm
-            if spans and not await _wait_tokens(pacer, len(pacer.token_times) + 2, task, timeout_s):
-                why = _pacer_stopped(pacer, task, timeout_s)
-                break
-            span, why = await _burst_span(url, pacer, task, models, t0, seed * 100_000 + 1000 * attempts, timeout_s,
-                                          prompts)
-            attempts += 1
-            if span is None:
-                # a warm window can be measured again (the cold one cannot: its loads are done)
-                if spans and why.startswith("a burst did not finish") and attempts <= WARM_REPEATS + WARM_RETRIES:
-                    continue
-                break
-            spans.append(span * 1000.0 * speed)
-    finally:
-        task.cancel()             # (closes the connection: vLLM aborts the request)
-        await asyncio.gather(task, return_exceptions=True)
-    if len(spans) < 1 + WARM_REPEATS:
-        return {"ok": False, "why": why}
-    return {"ok": True, "cold_ms": spans[0], "warm_ms": float(np.mean(spans[1:])), "warm_spans_ms": spans[1:],
-            **load_verdict(spans[0], spans[1:])}
+def load_cycles(slots: list[str], cpu_only: list[str], disk_only: list[str]) -> dict[str, list[str]]:
+    """The adapter cycles of :func:`cycle_load_ms` on a server with ``len(slots)`` LoRA slots and
+    ``len(slots) + len(cpu_only)`` CPU-cache entries, each adapter resident where its name says: cycling
+    lone requests over A + 1 adapters of an A-entry LRU misses on every request, over fewer never."""
+    return {"warm": slots[:WARM_CYCLE], "cpu": slots + cpu_only[:1], "disk": slots + cpu_only + disk_only[:1]}
+
+
+async def cycle_load_ms(url: str, cycles: dict[str, list[str]], speed: float, *, seed: int = 0,
+                        prompts: PromptTokens | None = None) -> dict:
+    """Adapter loads from lone requests (the server idle in between): TTFT cycling over the ``warm``
+    adapters (in slots: no load), over one adapter more than the slots (``cpu``: every request copies
+    one from the CPU cache into a slot) and one more than the CPU cache (``disk``: every request reads
+    one from disk, then copies it); the loads are ``cpu`` - ``warm`` and ``disk`` - ``warm``
+    (:func:`load_verdict`; ``disk`` pays both).  vLLM loads before the step's forward pass, in the step,
+    as the twin does."""
+    ttft: dict[str, list[float]] = {k: [] for k in cycles}
+    k = seed * 100_000
+    for _ in range(LOAD_ROUNDS):
+        for kind, cycle in cycles.items():
+            for p in range(1 + LOAD_PASSES[kind]):
+                for model in cycle:
+                    k += 1
+                    rec = await _send(url, model, LOAD_PROMPT_TOKENS, 1, time.perf_counter(), k, prompts)
+                    if not _complete(rec):
+                        return {"ok": False, "why": f"a load request on {model} failed: {failure_note([rec])}"}
+                    if p:           # the first pass settles the LRU tiers
+                        ttft[kind].append((rec.token_times[0] - rec.sent) * 1000.0 * speed)
+    return {"ok": True, "ttft_ms": ttft,
+            **{kind: load_verdict(ttft[kind], ttft["warm"]) for kind in ("cpu", "disk")}}
 
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

@@ -12,8 +12,8 @@ decode    B streams, same prompt, ``ignore_eos``; LoRA off        base, per_seq,
                                                                   base + per_seq B + per_ctx ctx)
 prefill   one request at a time, prompts of several lengths       per_token (TTFT slope)
 lora      B streams on D distinct adapters, one launch per rank   jump (at max_loras), slope per rank
-loading   a burst of K one-token requests on non-resident         CPU->GPU and disk->CPU ms per rank
-          adapters beside a pacer stream, cold minus warm
+loading   lone one-token requests cycling over adapters in        CPU->GPU and disk->CPU ms per rank
+          slots, over one more than the slots / the CPU cache
 kv        every launch's ``vllm:cache_config_info``               KV tokens per (max_loras, rank)
 startup   launches at growing max_loras (full plan, --launch)     the memory frontier (ok / refused)
 ========  =====================================================  ==============================
@@ -40,8 +40,8 @@ from pathlib import Path
 
 from lora_opt.emulate.client import PromptTokens, error_message, server_prompt_tokens
 from lora_opt.errors import InputError
-from lora_opt.probe.measure import (MAX_BURST_SHARE, MAX_STREAM_SPREAD, batch_run, burst_load_ms,
-                                    kv_blocks_from_metrics, ttft_runs, window_noise, window_step)
+from lora_opt.probe.measure import (MAX_BURST_SHARE, MAX_STREAM_SPREAD, batch_run, cycle_load_ms,
+                                    kv_blocks_from_metrics, load_cycles, ttft_runs, window_noise, window_step)
 from lora_opt.validate.live import _get
 
 #: runs of a window with bursts (see lora_opt.probe.measure) repeated at most this many times
@@ -71,6 +71,7 @@ class Plan:
     # on both sides of where the cost per token steps up on vLLM's CPU build (tokens x rank ~8,192)
     lora_prefill_prompts: tuple = (64, 128, 256, 384, 512, 768, 1024)
     max_loras: int = 16
+    # adapters of a LoRA launch only in the CPU cache, and as many only on disk (the loading family's)
     load_burst: int = 12
     startup_max_loras: tuple = ()
     family_budget_s: float = 120.0
@@ -277,28 +278,32 @@ def lora_prefill_family(url: str, ctx: ProbeContext, plan: Plan, adapter: str, t
     return prefill_family(url, ctx, plan, adapter, tick, family="ttft_lora", wanted=plan.lora_prefill_prompts)
 
 
-def loading_family(url: str, ctx: ProbeContext, pacer: str, cpu_only: list[str], disk_only: list[str],
+def loading_family(url: str, ctx: ProbeContext, slots: list[str], cpu_only: list[str], disk_only: list[str],
                    tick) -> list[dict]:
-    """CPU->GPU from the CPU-resident adapters' burst; disk->CPU from the disk-only ones' burst
-    (which pays both) minus the first."""
+    """CPU->GPU and disk->CPU->GPU loads per adapter from lone requests cycling over adapters
+    (:func:`cycle_load_ms`): ``slots`` are the adapters in the server's ``max_loras`` slots, ``cpu_only``
+    the rest of its CPU cache, ``disk_only`` adapters on disk only."""
     rank = ctx.flags.get("max_lora_rank")
+    r = _run(cycle_load_ms(url, load_cycles(slots, cpu_only, disk_only), ctx.speed, seed=rank or 0,
+                           prompts=ctx.prompts))
     rows = []
-    for kind, names in (("cpu", cpu_only), ("disk", disk_only)):
-        r = _run(burst_load_ms(url, pacer, names, ctx.speed, seed=1 if kind == "cpu" else 2, prompts=ctx.prompts))
+    for kind in ("cpu", "disk"):
         label = f"load_{kind}_r{rank}"
         if not r["ok"]:
             rows.append(ctx.row("loading", label, status="failed", probe_note=r["why"], probe_load_kind=kind))
-        else:
-            k = len(names)
-            per = r["load_ms"] / k
-            col = ({"adapter_loads_from_memory": k, "adapter_load_time_from_memory_s": r["load_ms"] / 1000.0}
-                   if kind == "cpu" else
-                   {"adapter_loads_from_disk": k, "adapter_load_time_from_disk_s": r["load_ms"] / 1000.0})
-            rows.append(ctx.row("loading", label, status="noisy" if r["noisy"] else "ok", completed=k, num_prompts=k,
-                                adapter_module_ranks=rank, probe_load_kind=kind, probe_load_ms_per_adapter=per,
-                                probe_burst=k, probe_cold_window_ms=r["cold_ms"], probe_warm_window_ms=r["warm_ms"],
-                                probe_load_noise_ms=r["noise_ms"],    # sd of the burst's load (all k adapters)
-                                probe_note=f"noisy: {r['noisy']}" if r["noisy"] else "", **col))
+            tick()
+            continue
+        v = r[kind]
+        k, per = v["n"], v["load_ms"]
+        col = ({"adapter_loads_from_memory": k, "adapter_load_time_from_memory_s": per * k / 1000.0}
+               if kind == "cpu" else
+               {"adapter_loads_from_disk": k, "adapter_load_time_from_disk_s": per * k / 1000.0})
+        # probe_burst: the loading requests measured; the windows: the median TTFTs, loading and not
+        rows.append(ctx.row("loading", label, status="noisy" if v["noisy"] else "ok", completed=k, num_prompts=k,
+                            adapter_module_ranks=rank, probe_load_kind=kind, probe_load_ms_per_adapter=per,
+                            probe_burst=k, probe_cold_window_ms=v["cold_ms"], probe_warm_window_ms=v["warm_ms"],
+                            probe_load_noise_ms=v["noise_ms"],
+                            probe_note=f"noisy: {v['noisy']}" if v["noisy"] else "", **col))
         tick()
     return rows
 

@@ -125,7 +125,7 @@ def probe_launched(base: ServeCommand, opts: ProbeOptions) -> tuple[list[dict], 
                 gpu = [f"{GPU}{i}" for i in range(plan.max_loras)]
                 rows += lora_family(srv.url, ctx, plan, gpu, tick)
                 k = plan.load_burst
-                rows += loading_family(srv.url, ctx, gpu[0], [f"{CPU}{i}" for i in range(k)],
+                rows += loading_family(srv.url, ctx, gpu, [f"{CPU}{i}" for i in range(k)],
                                        [f"{DISK}{i}" for i in range(k)], tick)
                 rows += lora_prefill_family(srv.url, ctx, plan, gpu[0], tick)
         rows += startup_family(commands, opts, tick)

@@ -68,7 +68,7 @@ def test_probe_smoke_and_calibrate_on_real_vllm(tier, tmp_path, capsys):
     assert summary["version"].startswith("0.32"), summary["version"]
     assert summary["max_model_len"] == 512 and "/tokenize" in summary["prompts"], summary["prompts"]
     # every family that sends prompts measured something: nothing refused for its prompts (adapter loads
-    # may fail on a busy machine -- a burst slower than the pacer's window -- and then say so)
+    # may be within their noise on a busy machine, and then say so)
     for family in ("kv", "decode", "prefill", "lora"):
         counts = summary["families"][family]
         assert counts["ok"] + counts.get("noisy", 0) >= 1, (family, report)
@@ -76,8 +76,8 @@ def test_probe_smoke_and_calibrate_on_real_vllm(tier, tmp_path, capsys):
         assert "out of vocabulary" not in r["probe_note"] and "maximum context length" not in r["probe_note"], r
         if r["status"] == "ok" and r["probe_family"] in ("decode", "lora"):
             assert float(r["probe_step_ms"]) > 0, r
-        if r["status"] == "ok" and r["probe_family"] == "loading":      # the burst's K loads above 3 sd of noise
-            assert float(r["probe_load_ms_per_adapter"]) * int(r["probe_burst"]) > 3 * float(r["probe_load_noise_ms"]), r
+        if r["status"] == "ok" and r["probe_family"] == "loading":      # a load above 3 sd of its noise
+            assert float(r["probe_load_ms_per_adapter"]) > 3 * float(r["probe_load_noise_ms"]) > 0, r
         if r["status"] != "ok":
             assert r["probe_note"], r                             # a failure or noise always says why
     prompts = {int(r["probe_prompt_tokens"]) for r in rows if r["probe_family"] in ("decode", "prefill")}
