@@ -221,10 +221,13 @@ def server_error(status: int, raw: bytes) -> str:
 
 
 async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: float,
-                 concurrency_probe: list | None = None, session_header: str | None = None) -> list[Record]:
+                 concurrency_probe: list | None = None, session_header: str | None = None,
+                 count_token_ids: bool = False) -> list[Record]:
     """Send every request of ``req`` at ``arrival / speed`` wall seconds from now (adapter index k
     -> model ``adapter_ids[k]``) and wait for all of them.  ``session_header``: also send the adapter
-    id in this header (e.g. ``X-Session-ID``, the key vLLM's router ``consistent_hash`` hashes)."""
+    id in this header (e.g. ``X-Session-ID``, the key vLLM's router ``consistent_hash`` hashes);
+    ``count_token_ids``: count each chunk's token ids (a real vLLM merges steps into one chunk when
+    its front end falls behind; see :func:`_one`)."""
     u = urlparse(base_url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     path = (u.path.rstrip("/") or "") + "/v1/completions"
@@ -239,7 +242,8 @@ async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: fl
             await asyncio.sleep(delay)
         model = adapter_ids[int(req.adapter[k])]
         extra = f"{session_header}: {model}\r\n" if session_header else ""
-        tasks.append(asyncio.ensure_future(_one(host, port, path, model, records[k], t0, extra_headers=extra)))
+        tasks.append(asyncio.ensure_future(_one(host, port, path, model, records[k], t0, extra_headers=extra,
+                                                     count_token_ids=count_token_ids)))
         if concurrency_probe is not None:
             concurrency_probe.append(sum(not t.done() for t in tasks[-2000:]))
     await asyncio.gather(*tasks)
