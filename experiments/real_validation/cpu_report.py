@@ -85,6 +85,31 @@ def drift(out: Path, profile: Path) -> tuple[list[str], dict]:
     return lines, changes
 
 
+def revalidated(out: Path, runs: dict, summary: dict) -> list[str]:
+    """The report half request for request before (the probe's profile: the first table) and after the
+    recalibration (``recalibrate/after-validate``): the targets' SMAPEs, overall."""
+    after_dir = out / "recalibrate" / "after-validate"
+    after = {}
+    for name in runs:
+        f = after_dir / name / "out" / "comparison.json"
+        if f.exists() and runs[name].get("half") == "report":
+            after[name] = {**runs[name], "comparison": json.loads(f.read_text())}
+    if not after:
+        return []
+    _, before_overall = validation_table({k: runs[k] for k in after}, "report")
+    _, after_overall = validation_table(after, "report")
+    keys = [(k, label) for k, label, goal in METRICS if goal is not None]
+    summary["recalibrate_request_for_request"] = {"before": {k: before_overall[k] for k, _ in keys},
+                                                  "after": {k: after_overall[k] for k, _ in keys}}
+    lines = ["### The report half request for request, before and after the recalibration", "",
+             ("The same held-apart runs as the first table, their twin side replayed again with the recalibrated "
+              "profile (`validate --twin-only`, files in `recalibrate/after-validate/`); overall SMAPE."), "",
+             "| profile | " + " | ".join(label for _, label in keys) + " |", "|---|" + "---|" * len(keys)]
+    for tag, o in (("probe only (before)", before_overall), ("recalibrated (after)", after_overall)):
+        lines.append(f"| {tag} | " + " | ".join(f"{o[k]:.1f} %" for k, _ in keys) + " |")
+    return lines + [""]
+
+
 def write_report(out: Path, profile: Path) -> dict:
     """REPORT.md in ``out``; ``profile``: the loop's profile (``cpu_loop.PROFILE_PATH``)."""
     runs = json.loads((out / "validation.json").read_text()) if (out / "validation.json").exists() else {}
@@ -158,5 +183,6 @@ def write_report(out: Path, profile: Path) -> dict:
         if e2e:
             lines += ["", f"Fitted on the fit half: {e2e.get('params')} (fit-half loss {e2e.get('fit_half_loss', 0):.1f} %)."]
         lines.append("")
+    lines += revalidated(out, runs, summary)
     atomic_write_text(out / "REPORT.md", "\n".join(lines) + "\n")
     return summary

@@ -158,7 +158,8 @@ def stage_retwin(out: Path) -> int:
 def stage_recalibrate(out: Path, duration: float) -> int:
     """``ingest`` the validation runs (labels ``cpu-fit`` / ``cpu-report``), ``fidelity`` of the report half
     with the profile as calibrated from the probe, ``calibrate-e2e`` on the fit half (the front-end TTFT
-    terms, the LoRA shares: rewrites the profile), ``fidelity`` of the report half again."""
+    terms, the LoRA shares: rewrites the profile), ``fidelity`` of the report half again, and the report
+    half compared again request for request (:func:`revalidate_report_half`)."""
     import pandas as pd
     (out / "recalibrate").mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -179,4 +180,25 @@ def stage_recalibrate(out: Path, duration: float) -> int:
                    log=out / "logs" / "calibrate_e2e.txt")
     rc |= lora_opt("fidelity", "--runs", rel(both), "--family", "cpu-report", "--out", rel(out / "recalibrate" / "after"),
                    "--workers", "1", log=out / "logs" / "fidelity_after.txt")
+    return rc | revalidate_report_half(out)
+
+
+def revalidate_report_half(out: Path) -> int:
+    """The report-half runs compared again request for request (``validate --twin-only``) with the
+    recalibrated profile, as the report's tables compare them: the measurements copied into
+    ``recalibrate/after-validate/RUN`` (nothing sent again), the twin's side rewritten there."""
+    rc = 0
+    for run in sorted((out / "validation").glob("*-report")):
+        if not (run / "out" / "real.json").exists():
+            continue
+        dst = out / "recalibrate" / "after-validate" / run.name
+        if dst.exists():
+            shutil.rmtree(dst)
+        (dst / "out").mkdir(parents=True)
+        shutil.copytree(run / "placement", dst / "placement")
+        shutil.copy(run / "workload.yaml", dst / "workload.yaml")
+        for name in ("real.json", "requests.csv", "timeseries.csv", "bench.json"):
+            if (run / "out" / name).exists():
+                shutil.copy(run / "out" / name, dst / "out" / name)
+        rc |= retwin_run(dst, out / "logs" / f"revalidate_{run.name}.txt")
     return rc
