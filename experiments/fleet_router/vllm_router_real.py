@@ -4,7 +4,8 @@ adapters (ranks 8 and 16) -- vs the fleet twin with the CPU profile fitted to ex
 (``configs/profiles/probe-llama-cpu-vllm032.yaml``), on one light open-loop stream per policy.
 
     bash tools/vllm_tier/build.sh && LORA_OPT_VLLM_TIER_PROBE=1 bash tools/vllm_tier/build.sh
-    pip install vllm-router==0.1.17                  # any venv; --router-bin or $VLLM_ROUTER_BIN
+    # vllm-router 0.1.17: the tier's own (build.sh installs it in TIER/router-venv), or --router-bin /
+    # $VLLM_ROUTER_BIN / on PATH (pip install vllm-router==0.1.17 in any venv)
     python experiments/fleet_router/vllm_router_real.py [--duration-s 90] [--rate 0.5]
 
 The sibling of ``vllm_router.py`` (which puts the router in front of emulated instances and explains what
@@ -213,8 +214,10 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.5, help="the stream's total rate (req/s, all instances)")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    ap.add_argument("--router-bin", default=os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router"),
-                    help="the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH)")
+    tier_router = tier_dir() / "router-venv" / "bin" / "vllm-router"
+    ap.add_argument("--router-bin", default=os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
+                    or (str(tier_router) if tier_router.exists() else None),
+                    help="the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH, else the tier's)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--tracking-uri")
     ap.add_argument("--no-track", action="store_true", help="no MLflow run")
