@@ -87,3 +87,49 @@ def test_a_model_entry_with_an_unknown_lora_cost_is_refused(tmp_path):
     bad.write_text(MODEL_TABLE_PATH.read_text().replace("lora_cost: per_token", "lora_cost: gather"))
     with pytest.raises(InputError, match=r"lora_cost: 'gather'; allowed: \['factor', 'per_token'\]"):
         load_model_table(bad)
+
+
+def _rows_with_step(rank: int, step_ms: float, token_ms: float, batches=(1, 4, 16, 32), noise: float = 0.02,
+                    seed: int = 0) -> pd.DataFrame:
+    """One-adapter decode windows at ``batches`` and lone prompts, from ``step_ms`` + ``token_ms`` per token."""
+    rng = np.random.default_rng(seed)
+    d = DECODE.params
+    rows = []
+    for b in batches:
+        ctx = 0.17 * b
+        y = d["base_ms"] + d["per_seq_ms"] * b + d["per_ctx_ktoken_ms"] * ctx + step_ms + b * token_ms
+        rows.append({"experiment": PROBE_PREFIX + "lora", "status": "ok", "probe_batch": b, "probe_step_ms":
+                     y * (1 + noise * rng.standard_normal()), "probe_ctx_ktokens_mean": ctx, "max_lora_rank": rank,
+                     "probe_distinct_adapters": 1, "max_loras": 16})
+    for p in LENGTHS[:4]:
+        known, chunks = _prefill_known(d, p, 2048)
+        y = 5.0 + known + 0.35 * (p - chunks) + step_ms + p * token_ms
+        rows.append({"experiment": PROBE_PREFIX + "ttft_lora", "status": "ok", "probe_prompt_tokens": p,
+                     "probe_ttft_ms": y * (1 + noise * rng.standard_normal()), "max_lora_rank": rank,
+                     "max_num_batched_tokens": 2048})
+    return pd.DataFrame(rows)
+
+
+def test_windows_at_several_batch_sizes_separate_the_fixed_cost_a_step():
+    """vLLM's CPU build pays ~5 ms a step for LoRA at rank 16 even at one sequence (issue 24): windows at 1-32
+    sequences recover it beside token_ms; windows at one batch size leave it 0 (every ms on the tokens)."""
+    fit = fit_lora_per_token(_rows_with_step(16, 5.0, 0.75), DECODE, PREFILL)
+    assert fit.params[16]["step_ms"] == pytest.approx(5.0, rel=0.25)
+    assert fit.params[16]["token_ms"] == pytest.approx(0.75, rel=0.1)
+    assert fit.extra["rank_16"]["window_batches"] == [1, 4, 16, 32]
+    one = fit_lora_per_token(_rows_with_step(16, 5.0, 0.75, batches=(16,)), DECODE, PREFILL)
+    assert "step_ms" not in one.params[16] and one.extra["rank_16"]["step_ms"] == 0.0
+
+
+def test_the_step_model_adds_step_ms_once_to_a_step_with_an_adapter():
+    prof = load_profile("tests/data/profile-cpu-knee.yaml")
+    lora8 = prof.latency.lora_for_rank(8)
+    assert lora8.step_ms == 4.5
+    lat = prof.latency
+    without = replace(prof.latency, lora={**lat.lora, 8: replace(lora8, step_ms=0.0)})
+    for n_seqs, n_tokens in ((1, 1), (16, 16), (2, 300)):
+        assert lat.model_ms(n_seqs, n_tokens, 1000, 1, 8, 4) - without.model_ms(n_seqs, n_tokens, 1000, 1, 8, 4) \
+            == pytest.approx(4.5)
+        assert lat.model_ms(n_seqs, n_tokens, 1000, 0, 8, 4) == without.model_ms(n_seqs, n_tokens, 1000, 0, 8, 4)
+    # a profile without it writes as before: the field is left out at its default
+    assert "step_ms" not in profile_to_dict(load_profile("probe-llama-cpu-vllm032"))["latency"]["lora"][16]

@@ -133,7 +133,7 @@ def test_smoke_probe_calibrate_and_mlflow(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["probe"], output_format="list")
     assert len(runs) == 1 and runs[0].data.params["plan"] == "smoke"
-    assert runs[0].data.metrics["rows.lora.ok"] == 2
+    assert runs[0].data.metrics["rows.lora.ok"] == 3                 # B 8 at 1 and 8 adapters; B 1 at one
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
     assert {"rows.csv", "summary.json", "logs"} <= arts
 

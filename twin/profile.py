@@ -166,6 +166,11 @@ class LoraOverheadSpec:
     the factor form only (every GPU profile)."""
     token_ms_above: float | None = None
     """``token_ms`` in a step above ``prefill_knee_tokens`` tokens (None = ``token_ms``)."""
+    step_ms: float = 0.0
+    """LoRA ms of a step that runs an adapter, whatever its size: vLLM's CPU build pays ~5 ms a step for
+    its LoRA layers at rank 16 even at one sequence (measured: decode windows at 1-32 sequences, issue
+    24), which per-token pricing fitted at 16 sequences puts on the tokens -- too little for one
+    sequence, too much for forty.  0 = none (every GPU profile)."""
 
     @property
     def token_above(self) -> float:
@@ -232,7 +237,7 @@ class LatencySpec:
         decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0
         prefill = self.per_token_ms * (n_tokens - n_seqs)
         model = decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share_at(n_tokens) * extra)
-        return model + lora.token_ms_at(n_tokens) * n_tokens if n_adapters > 0 else model
+        return model + lora.step_ms + lora.token_ms_at(n_tokens) * n_tokens if n_adapters > 0 else model
 
     def scheduler_ms(self, n_running: int, n_scanned: int) -> float:
         return self.sched_base_ms + self.sched_per_running_ms * n_running + self.sched_per_waiting_ms * n_scanned
@@ -407,7 +412,8 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
     )
 
 
-_KNEE_DEFAULTS = {"prefill_knee_tokens": math.inf, "prefill_share_above": None, "token_ms": 0.0, "token_ms_above": None}
+_KNEE_DEFAULTS = {"prefill_knee_tokens": math.inf, "prefill_share_above": None, "token_ms": 0.0, "token_ms_above": None,
+                  "step_ms": 0.0}
 
 
 def profile_to_dict(p: Profile) -> dict:

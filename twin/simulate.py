@@ -146,7 +146,8 @@ def kernel_latency(lat, max_lora_rank: int, max_loras: int) -> Latency:
     return Latency(
         lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(max_loras),
         lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
-        lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above, lora.token_ms, lora.token_above)
+        lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above, lora.token_ms, lora.token_above,
+        lora.step_ms)
 
 
 def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
@@ -156,12 +157,13 @@ def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray
     sequence slots (>= out_len: one prefill chunk, out_len - 1 decodes) and its other tokens at
     the cheaper of the per-slot and per-token prices; the context its decodes read (the k-th decode
     reads in_len + k - 1 tokens); and its share of the fixed cost of steps that carry at most
-    max_num_batched_tokens tokens; and the per-token LoRA cost of every token it puts in a step.
+    max_num_batched_tokens tokens (LoRA's fixed ms a step among them); and the per-token LoRA cost of every
+    token it puts in a step.
     Adapter loads, scheduler terms per request and preemptions only add."""
     lora = lat.lora_for_rank(eng.max_lora_rank)
     coefs = (lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lat.sched_base_ms,
              lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share,
-             lora.share_above, lora.token_ms, lora.token_above)
+             lora.share_above, lora.token_ms, lora.token_above, lora.step_ms)
     if min(coefs) < 0 or not (0.0 <= lora.slot_share <= 1.0):
         return None
     e = lora.extra(1, eng.max_loras)
@@ -174,7 +176,7 @@ def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray
     processed = i + dec
     ms = (slot * o + tok * (i - 1.0)) if slot >= tok else slot * processed
     ms = ms + (1.0 + e) * lat.per_ctx_ktoken_ms / 1000.0 * (dec * i + dec * (dec - 1.0) / 2.0)
-    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms) * processed / eng.max_num_batched_tokens
+    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms + lora.step_ms) * processed / eng.max_num_batched_tokens
     # every token it puts in a step pays the per-token LoRA cost (the cheaper side of the knee)
     ms = ms + min(lora.token_ms, lora.token_above) * processed
     return ms / 1000.0

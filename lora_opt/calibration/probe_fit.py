@@ -58,7 +58,7 @@ from lora_opt.calibration.fitting import (
 from lora_opt.calibration.generations import GENERATIONS
 from lora_opt.calibration.memory_fit import weights_gib
 from lora_opt.calibration.model_table import MODELS
-from lora_opt.calibration.step_fit import fit_lora_factor
+from lora_opt.calibration.step_fit import fit_lora_factor, fit_lora_step_ms
 from lora_opt.io import atomic_write_text
 from twin.errors import ScenarioError
 from twin.profile import Profile, load_profile, profile_from_dict, profile_to_dict
@@ -238,7 +238,10 @@ def fit_lora(runs: pd.DataFrame, decode: FitResult) -> FitResult:
     per_rank: dict[int, dict[str, float]] = {}
     extra: dict[str, Any] = {}
     for rank in sorted(set(ranks[np.isfinite(ranks)].astype(int))):
-        sel = ranks == rank
+        # the distinct-adapter sweeps only: a batch size measured at one adapter count (the per-token
+        # form's windows for LoRA's fixed cost a step) tells the factor nothing about adapters
+        swept = {bb for bb in set(b[ranks == rank]) if len(set(dist[(ranks == rank) & (b == bb)])) >= 2}
+        sel = (ranks == rank) & np.isin(b, list(swept))
         if len(set(dist[sel])) < 2:
             extra[f"rank_{rank}"] = {"fitted": False, "note": "fewer than 2 distinct-adapter counts"}
             continue
@@ -418,10 +421,12 @@ def kv_check(runs: pd.DataFrame, profile: Profile) -> dict:
 
 def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult) -> FitResult:
     """``token_ms`` per rank (``lora_cost: per_token``): a step with an adapter costs its LoRA-off time plus
-    ``token_ms`` per token it carries.  Points: the LoRA decode windows (B tokens a step: ``step - decode(B,
-    ctx)``) and the lone prompts through an adapter (P tokens in its prefill step: ``TTFT - c - known(P) -
-    per_token*(P - chunks)``); one knee in tokens x rank for all ranks as :func:`_knee` finds it (the gather
-    leaving the cache), else one ``token_ms`` per rank.  Params per rank: the LoRA entry's fields."""
+    ``token_ms`` per token it carries, and ``step_ms`` once (:func:`~lora_opt.calibration.step_fit.fit_lora_step_ms`: from windows at several
+    batch sizes, else 0).  Points: the LoRA decode windows (B tokens a step: ``step - decode(B, ctx)``) and
+    the lone prompts through an adapter (P tokens in its prefill step: ``TTFT - c - known(P) -
+    per_token*(P - chunks)``), less ``step_ms``; one knee in tokens x rank for all ranks as :func:`_knee`
+    finds it (the gather leaving the cache), else one ``token_ms`` per rank.  Params per rank: the LoRA
+    entry's fields."""
     d, c, per_token = decode.params, max(prefill.extra["ttft_constant_ms"], 0.0), prefill.params["per_token_ms"]
     win, lone = _ok(runs, "lora"), _ok(runs, "ttft_lora")
     b, y_w, r_w = num(win["probe_batch"]), num(win["probe_step_ms"]), num(win["max_lora_rank"])
@@ -429,14 +434,16 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
     p, y_p, r_p = num(lone["probe_prompt_tokens"]), num(lone["probe_ttft_ms"]), num(lone["max_lora_rank"])
     budget = np.nan_to_num(num(lone["max_num_batched_tokens"]), nan=2048.0).astype(int)
     points: dict[int, _RankPoints] = {}
+    fixed: dict[int, float] = {}
     for rank in sorted(set(r_w[np.isfinite(r_w)].astype(int)) | set(r_p[np.isfinite(r_p)].astype(int))):
         sw, sp = r_w == rank, r_p == rank
         known = np.array([_prefill_known(d, int(pi), int(bi)) for pi, bi in zip(p[sp], budget[sp])]).reshape(-1, 2)
+        fixed[rank] = fit_lora_step_ms(b[sw], y_w[sw] - base[sw], y_w[sw])
         # the knee is in a step's tokens (a prompt beyond the budget is several steps); every token pays
         points[rank] = _RankPoints(product=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]) * float(rank),
                                    a=np.concatenate([b[sw], p[sp]]),
                                    b=np.concatenate([y_w[sw] - base[sw], y_p[sp] - c - known[:, 0]
-                                                     - per_token * (p[sp] - known[:, 1])]),
+                                                     - per_token * (p[sp] - known[:, 1])]) - fixed[rank],
                                    y=np.concatenate([y_w[sw], y_p[sp]]))
     if not points:
         raise ScenarioError("calibrate: lora_cost per_token needs ok LoRA decode windows or lone prompts through an "
@@ -455,8 +462,11 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
             lo, hi = knee["shares"][rank]
             entry.update(token_ms=lo, prefill_knee_tokens=knee["knee_product"] / rank, token_ms_above=hi)
             pred = q.y - q.b + q.a * np.where(q.product <= knee["knee_product"], lo, hi)
+        if fixed[rank] > 0:
+            entry["step_ms"] = fixed[rank]
         params[rank] = entry
-        extra[f"rank_{rank}"] = {"n_points": len(q.y), "r2": r2_score(q.y, pred),
+        extra[f"rank_{rank}"] = {"n_points": len(q.y), "step_ms": fixed[rank],
+                                 "window_batches": sorted({int(x) for x in b[r_w == rank]}), "r2": r2_score(q.y, pred),
                                  "max_abs_rel_error": float(np.max(np.abs(pred / q.y - 1)))}
     return FitResult(params=params, families=[PROBE_PREFIX + "lora", PROBE_PREFIX + "ttft_lora"], n=len(y_w) + len(y_p),
                      extra={**extra, "form": "per_token",

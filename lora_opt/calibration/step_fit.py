@@ -113,3 +113,13 @@ def kernel_layer_slope(path: Path) -> tuple[float, float]:
     fit = stats.linregress(d.loc[big, "num_tokens"].to_numpy(float), layer[big].to_numpy(float))
     return float(fit.slope), float(fit.rvalue ** 2)
 
+
+def fit_lora_step_ms(batch: np.ndarray, extra: np.ndarray, y: np.ndarray) -> float:
+    """LoRA's fixed ms a step (``step_ms``) from decode windows at several batch sizes: the intercept of
+    ``extra = step_ms + token_ms x B`` (non-negative least squares on relative errors); 0 from windows at one
+    batch size (not identified: every ms goes on the tokens, as before)."""
+    if len(np.unique(batch)) < 2:
+        return 0.0
+    w = 1.0 / y
+    sol, _ = optimize.nnls(np.column_stack([w, w * batch]), w * extra)
+    return float(sol[0])

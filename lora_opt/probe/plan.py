@@ -65,6 +65,9 @@ class Plan:
     ranks: tuple = (8, 16, 32, 64)
     lora_batches: tuple = (16,)
     lora_distinct: tuple = (1, 2, 4, 8, 16)
+    # one adapter at other batch sizes too: LoRA's fixed cost a step apart from its cost per token (vLLM's
+    # CPU build: ~5 ms a step at rank 16 even at one sequence; a fit at one batch size puts it on the tokens)
+    lora_step_batches: tuple = (1, 4, 32)
     lora_prompt: int = 128
     lora_out: int = 96
     # TTFT of lone prompts through an adapter: what LoRA costs prefill tokens (prefill_share); lengths
@@ -78,12 +81,18 @@ class Plan:
 
     @property
     def max_batch(self) -> int:
-        return max(self.decode_batches + self.lora_batches)
+        return max(self.decode_batches + self.lora_batches + self.lora_step_batches)
 
     @property
     def lora_points(self) -> int:
         """Points of one LoRA server: its decode windows and its lone prompts through an adapter."""
-        return len(self.lora_batches) * len(self.lora_distinct) + len(self.lora_prefill_prompts)
+        return (len(self.lora_batches) * len(self.lora_distinct) + len(self.lora_step_windows)
+                + len(self.lora_prefill_prompts))
+
+    @property
+    def lora_step_windows(self) -> tuple:
+        """Batch sizes of the one-adapter windows beyond ``lora_batches``'."""
+        return tuple(b for b in self.lora_step_batches if b not in self.lora_batches)
 
 
 PLANS = {
@@ -92,11 +101,12 @@ PLANS = {
     # <= 1 h: more batch sizes and contexts, two max_loras per rank (slot share), the start-up frontier
     "full": Plan("full", decode_batches=(1, 4, 16, 32, 64, 128), decode_prompts=(32, 512, 2048), decode_out=128,
                  prefill_prompts=(128, 512, 2048, 4096, 8192), prefill_reps=5,
-                 lora_batches=(16, 32, 64), lora_distinct=(1, 2, 4, 8, 16, 32), lora_out=96, max_loras=32,
+                 lora_batches=(16, 32, 64), lora_distinct=(1, 2, 4, 8, 16, 32), lora_step_batches=(1, 4), lora_out=96,
+                 max_loras=32,
                  startup_max_loras=(8, 16, 32, 64, 128, 256), family_budget_s=900.0),
     # a smoke test of the whole pipeline (tests, the runbook's dry run)
     "smoke": Plan("smoke", decode_batches=(1, 16), decode_prompts=(32, 512), decode_out=64,
-                  prefill_prompts=(256, 2048), prefill_reps=2, ranks=(8,), lora_batches=(8,),
+                  prefill_prompts=(256, 2048), prefill_reps=2, ranks=(8,), lora_batches=(8,), lora_step_batches=(1,),
                   lora_distinct=(1, 8), lora_out=48, lora_prefill_prompts=(256, 1024), max_loras=8, load_burst=6),
 }
 
@@ -269,6 +279,10 @@ def lora_family(url: str, ctx: ProbeContext, plan: Plan, adapters: list[str], ti
             rows.append(_step_row(ctx, "lora", f"lora_r{ctx.flags.get('max_lora_rank')}_b{b}_d{d}", w, b, d,
                                   p, plan.lora_out))
             tick()
+    for b in plan.lora_step_windows:
+        w = measured_window(url, adapters[:1], b, p, plan.lora_out, ctx.speed, seed=100 + b, prompts=ctx.prompts)
+        rows.append(_step_row(ctx, "lora", f"lora_r{ctx.flags.get('max_lora_rank')}_b{b}_d1", w, b, 1, p, plan.lora_out))
+        tick()
     return rows
 
 
