@@ -131,6 +131,8 @@ def rel(path: Path) -> str:
 
 
 def stage_calibrate(out: Path) -> int:
+    # from the probe rows only: calibrate would carry an earlier sitting's end-to-end fit (fit.e2e) over
+    PROFILE_PATH.unlink(missing_ok=True)
     return lora_opt("calibrate", "--runs", rel(out / "probe" / "rows.csv"), "--model", MODEL_ENTRY,
                     "--out", rel(PROFILE_PATH), log=out / "logs" / "calibrate.txt")
 

@@ -60,7 +60,7 @@ def lateness(out: Path, runs: dict) -> list[str]:
 
 #: step-cost coefficients the drift table compares (profile latency keys) and, per rank, the LoRA ones
 DRIFT_KEYS = ("base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms")
-DRIFT_LORA_KEYS = ("jump", "prefill_share", "token_ms", "token_ms_above")
+DRIFT_LORA_KEYS = ("jump", "prefill_share", "token_ms", "token_ms_above", "step_ms")
 
 
 def drift(out: Path, profile: Path) -> tuple[list[str], dict]:
@@ -70,10 +70,14 @@ def drift(out: Path, profile: Path) -> tuple[list[str], dict]:
     after_path = out / "probe-after" / "profile.yaml"
     if not (after_path.exists() and profile.exists()):
         return [], {}
-    before, after = (yaml.safe_load(p.read_text())["latency"] for p in (profile, after_path))
+    whole = [yaml.safe_load(p.read_text()) for p in (profile, after_path)]
+    before, after = (w["latency"] for w in whole)
     rows = [(k, before.get(k), after.get(k)) for k in DRIFT_KEYS]
     for rank in sorted(set(before.get("lora") or {}) & set(after.get("lora") or {}), key=int):
         rows += [(f"LoRA r{rank} {k}", before["lora"][rank].get(k), after["lora"][rank].get(k)) for k in DRIFT_LORA_KEYS]
+    for table in ("cpu_to_gpu_ms", "disk_to_cpu_ms"):        # adapter loads (0: not resolved above the noise)
+        b_t, a_t = (w["loading"][table] for w in whole)
+        rows += [(f"load r{rank} {table}", b_t[rank], a_t.get(rank)) for rank in sorted(b_t, key=int)]
     lines = ["| coefficient | before | after | change |", "|---|---|---|---|"]
     changes = {}
     for name, b, a in rows:
