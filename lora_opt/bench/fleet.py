@@ -68,12 +68,15 @@ def fleet_engines(n: int, duration_s: float, on_demand: bool) -> list[FleetEngin
     engine's own preloaded, twice as many in the CPU cache as GPU slots."""
     n_all = n * PER_ENGINE
     out = []
+    # on demand every engine has the same flags and table: one scenario (and one table of every
+    # adapter, twin.scenario caches it) for all, not N of them
+    shared = scenario_from_dict(_scenario(list(range(n_all)), duration_s, {**ENGINE, "max_cpu_loras": 2 * PER_ENGINE}),
+                                "engines") if on_demand else None
+    serves_all = np.arange(n_all)
     for e in range(n):
         mine = list(range(e, n_all, n))
         if on_demand:
-            sc = scenario_from_dict(_scenario(list(range(n_all)), duration_s,
-                                              {**ENGINE, "max_cpu_loras": 2 * PER_ENGINE}), f"engine {e}")
-            out.append(FleetEngine(sc, np.arange(n_all), np.array(mine)))
+            out.append(FleetEngine(shared, serves_all, np.array(mine)))
         else:
             serves = np.full(n_all, -1, np.int64)
             serves[mine] = np.arange(len(mine))
