@@ -7,7 +7,9 @@ Advancing to ``h`` runs every step that *starts* before ``h`` (a request arrivin
 first step starting at or after it: the batch kernel's rule), with the fast forward stopped at
 ``h`` (``s.horizon``): the engine does not know yet whether a request arrives then; the next advance
 resumes those repeats without a full step (a fleet advancing engines at every arrival would
-otherwise lose the fast forward).  So a fleet
+otherwise lose the fast forward), and without a pass over the running requests: a fast forward
+stopped at the horizon is left pending, the requests caught up only before a step reads them
+(``twin.engine_fast_forward.settle``; :func:`finish` too).  So a fleet
 whose router sends an engine exactly the requests a single-engine run holds gets that run's
 numbers, bit for bit."""
 from __future__ import annotations
@@ -17,7 +19,8 @@ from numba import njit
 
 import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
 from twin.engine import DONE, STEPPED, step
-from twin.engine_fast_forward import skip_steady_steps, steady
+from twin.engine_cost import step_seconds
+from twin.engine_fast_forward import settle, skip_steady_steps, steady
 
 
 @njit(cache=True)
@@ -30,6 +33,7 @@ def advance_to(s, h, check=False):
         # run_engine does after it; a no-op when they stopped for any other reason)
         skip_steady_steps(s)
     while s.t < h:
+        settle(s)                    # a step reads the requests' progress (a no-op: none pending)
         outcome = step(s, check)
         if outcome >= DONE:          # idle with no request known, the end, or stalled
             break
@@ -48,7 +52,43 @@ def advance_all(states, alive, h, check=False):
 @njit(cache=True)
 def finish(s):
     """Lift the horizon: no request will be added any more (``run_engine`` takes it from here)."""
+    settle(s)
     s.horizon = np.inf
+
+
+@njit(cache=True)
+def _step_floor(s, ctx):
+    """The least of one repeat's seconds at context ``ctx``, with or without the waiting requests
+    the last step scanned (a full step taken amid the repeats, at a time-series sample, scans none)."""
+    return min(step_seconds(s.lat, s.n_batch, s.n_batch, ctx, s.n_distinct, s.n_running, s.scanned, 0.0),
+               step_seconds(s.lat, s.n_batch, s.n_batch, ctx, s.n_distinct, s.n_running, 0, 0.0))
+
+
+@njit(cache=True)
+def finishes_none_before(s):
+    """A time up to which advancing ``s`` finishes (or drops) no request, so the count of requests
+    in flight a router reads holds until then unless one is added; ``s.t`` when unknown.
+
+    Known only for a fast forward left pending at the horizon with no request about to arrive: its
+    ``left`` remaining repeats finish nothing (the step after them does), nor admit a waiting
+    request (the fast forward's own premise: what kept it waiting -- a full LoRA set, the KV blocks,
+    the budget -- does not ease before a request finishes, and a full step taken amid the repeats at
+    a time-series sample finds the same); with enough
+    free blocks for all of them no preemption can shrink the batch, so each takes at least the
+    least of the first and the last one's seconds (a step's seconds are affine in the context);
+    the margin covers the rounding of the clock's sums.  A router that reads every engine at every
+    arrival then advances an engine about once per finish, not once per step."""
+    if s.ff_done == 0 or s.next_arr < s.n_req or s.n_running == 0:
+        return s.t
+    left = s.ff_until - 1 - s.ff_done
+    # each running request needs at most left // bs + 1 blocks over the next left steps
+    per_request = s.free_blocks // s.n_running
+    left = min(left, s.cfg.block_size * per_request - 1)
+    if left <= 0:
+        return s.t
+    first = s.ctx + s.n_batch
+    floor = min(_step_floor(s, first), _step_floor(s, first + (left - 1) * s.n_batch))
+    return s.t + left * floor * (1.0 - 1e-6)
 
 
 @njit(cache=True)

@@ -104,6 +104,8 @@ _FIELDS = [
     ("n_tokens", types.int64), ("ctx", types.int64), ("admitted", types.int64),
     ("scanned", types.int64), ("preempted", types.boolean), ("load_ms", types.float64),
     ("n_distinct", types.int64), ("finished_now", types.int64), ("blocks_at", _i8),
+    # a fast forward a fleet's horizon stopped, its requests not caught up yet (twin.engine_fast_forward)
+    ("ff_done", types.int64), ("ff_until", types.int64),
     # ITL samples: regular gaps are whole steps (duration, count); irregular ones listed
     ("step_dur", _f8), ("step_cnt", _i8), ("n_steps_rec", types.int64),
     ("irr", _f8), ("n_irr", types.int64),
@@ -212,6 +214,7 @@ def _init_counters(s):
     s.admitted, s.scanned, s.preempted, s.load_ms = 0, 0, False, 0.0
     s.n_distinct, s.finished_now = 0, 0
     s.blocks_at = np.zeros(s.cfg.block_size, np.int64)
+    s.ff_done, s.ff_until = 0, 0
     s.step_dur, s.step_cnt, s.n_steps_rec = np.empty(1024, np.float64), np.empty(1024, np.int64), 0
     s.irr, s.n_irr = np.empty(256, np.float64), 0
     n_ts = int(s.cfg.duration / s.cfg.ts_interval) + 1

@@ -152,7 +152,7 @@ def _boot(engines: list[FleetEngine], profile: Profile, requests: Requests) -> _
 
 def _live_state(fe: FleetEngine, profile: Profile, boot: Result, req: Requests):
     """An instance's kernel state at t = 0 holding ``req`` (its table's indices); no early stop."""
-    sc = dataclasses.replace(fe.scenario, early_stop=False)
+    sc = dataclasses.replace(fe.scenario, early_stop=False) if fe.scenario.early_stop else fe.scenario
     return engine_state(sc, profile, sc.resolved_engine(profile), req, boot.kv_cache_tokens, preloaded=fe.preloaded)
 
 

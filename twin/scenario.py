@@ -10,6 +10,7 @@ scenario is assembled, and defaulted (:data:`DEFAULT_RHO`), in one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,14 +163,21 @@ class Scenario:
         return load_profile(self.profile)
 
     def adapter_table(self) -> tuple[list[str], list[int], list[float | None]]:
-        """(ids, ranks, rates) of every adapter, groups expanded in order."""
+        """(ids, ranks, rates) of every adapter, groups expanded in order (new lists: the caller's)."""
+        ids, ranks, rates = self._adapter_table
+        return list(ids), list(ranks), list(rates)
+
+    @functools.cached_property
+    def _adapter_table(self) -> tuple[tuple, tuple, tuple]:
+        # expanded once per scenario: a fleet's engines (lora_opt bench fleet: 1,000 engines sharing
+        # one scenario of 8,000 adapters) ask for it at every start-up, state and flag resolution
         ids, ranks, rates = [], [], []
         for g in self.adapters:
             for _ in range(g.count):
                 ids.append(g.id if g.id is not None else f"a{len(ids)}")
                 ranks.append(g.rank)
                 rates.append(g.rate)
-        return ids, ranks, rates
+        return tuple(ids), tuple(ranks), tuple(rates)
 
     def resolved_engine(self, profile: Profile) -> EngineConfig:
         """The engine's flags with every unset one filled in (``twin.flags.resolve_flags``) from the

@@ -305,8 +305,10 @@ def engine_state(sc: Scenario, profile: Profile, eng: EngineConfig, req: Request
     and appends them with ``twin.engine_state.add_request``).  ``preloaded``: the adapters loaded
     at start-up, in order (default: all, see ``_initial_residency``)."""
     _, ranks, _ = sc.adapter_table()
-    cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in ranks])
-    disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in ranks])
+    # per distinct rank, not per adapter: a fleet's on-demand tables hold every adapter of the fleet
+    distinct, of_rank = np.unique(np.asarray(ranks, np.int64), return_inverse=True)
+    cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in distinct], np.float64)[of_rank]
+    disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in distinct], np.float64)[of_rank]
     residency = _initial_residency(len(ranks), eng.max_loras, eng.max_cpu_loras, preloaded)
     block = profile.memory.block_size
     cfg = Config(
