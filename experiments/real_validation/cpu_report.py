@@ -76,7 +76,7 @@ def drift(out: Path, profile: Path) -> tuple[list[str], dict]:
     for rank in sorted(set(before.get("lora") or {}) & set(after.get("lora") or {}), key=int):
         rows += [(f"LoRA r{rank} {k}", before["lora"][rank].get(k), after["lora"][rank].get(k)) for k in DRIFT_LORA_KEYS]
     for table in ("cpu_to_gpu_ms", "disk_to_cpu_ms"):        # adapter loads (0: not resolved above the noise)
-        b_t, a_t = (w["loading"][table] for w in whole)
+        b_t, a_t = ((w.get("loading") or {}).get(table) or {} for w in whole)
         rows += [(f"load r{rank} {table}", b_t[rank], a_t.get(rank)) for rank in sorted(b_t, key=int)]
     lines = ["| coefficient | before | after | change |", "|---|---|---|---|"]
     changes = {}
