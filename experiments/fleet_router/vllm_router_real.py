@@ -46,19 +46,22 @@ from twin.scenario import scenario_from_dict
 from twin.workload import generate_requests
 
 
-def load_helpers():
-    """The sibling vllm_router.py by its path (the ``vllm-router`` wheel installs a package of that name)."""
-    spec = importlib.util.spec_from_file_location("fleet_router_helpers", Path(__file__).with_name("vllm_router.py"))
+def load_by_path(name: str, path: Path):
+    """A script of experiments/ as a module, by its path (the sibling ``vllm_router.py``: the ``vllm-router``
+    wheel installs a package of that name)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-_h = load_helpers()
+_h = load_by_path("fleet_router_helpers", Path(__file__).with_name("vllm_router.py"))
+# the real server's tier and environment: the loop's (experiments/real_validation/cpu_loop.py), one owner
+_loop = load_by_path("real_validation_cpu_loop", Path(__file__).resolve().parents[1] / "real_validation" / "cpu_loop.py")
+tier_dir, load_probe_tier, server_env = _loop.tier_dir, _loop.load_probe_tier, _loop.server_env
 POLICIES, SESSION_HEADER, VERSION = _h.POLICIES, _h.SESSION_HEADER, _h.VERSION
 _ratio, probe_hash_map, served, start_router, stop, twin = (_h._ratio, _h.probe_hash_map, _h.served, _h.start_router,
                                                             _h.stop, _h.twin)
-ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent / "real"
 PROFILE = "probe-llama-cpu-vllm032"
 #: served name -> the tier's probe-size adapter (two of rank 8, two of rank 16)
@@ -69,24 +72,9 @@ LENGTHS = {"source": "normal", "mean_in": 192, "std_in": 48, "mean_out": 64, "st
 HEALTH_TIMEOUT_S = 600.0
 
 
-def tier_dir() -> Path:
-    return Path(os.environ.get("LORA_OPT_VLLM_TIER") or ROOT / ".vllm-tier")
-
-
-def load_probe_tier() -> dict:
-    manifest = tier_dir() / "tier-probe.json"
-    if not manifest.is_file():
-        raise SystemExit("the probe-size model is not built: LORA_OPT_VLLM_TIER_PROBE=1 bash tools/vllm_tier/build.sh")
-    return json.loads(manifest.read_text())
-
-
 def serve_command(tier: dict, port: int, core: int) -> ServeCommand:
     """Instance ``core``'s ``vllm serve``: the tier's venv, forward passes bound to ``core``, 1 GiB of KV."""
-    venv = tier_dir() / "venv"
-    env = {"PATH": f"{venv / 'bin'}:$PATH", "VIRTUAL_ENV": str(venv), "VLLM_TARGET_DEVICE": "cpu",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
+    env = server_env(core)
     options = {"--served-model-name": [tier["served_model_name"]], "--host": ["127.0.0.1"], "--port": [str(port)],
                "--max-model-len": [str(ENGINE["max_model_len"])], "--max-num-seqs": [str(ENGINE["max_num_seqs"])],
                "--max-num-batched-tokens": [str(ENGINE["max_num_batched_tokens"])], "--enforce-eager": [],

@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE
 from lora_opt.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,13 +67,13 @@ def load_probe_tier() -> dict:
     return json.loads(manifest.read_text())
 
 
-def server_env() -> dict[str, str]:
+def server_env(core: int = ENGINE_CORE) -> dict[str, str]:
     """The environment of every real server: the tier venv's vllm, the CPU platform with KV_GIB of KV cache,
-    runtime LoRA updates, forward passes on ENGINE_CORE, nothing reported or fetched."""
+    runtime LoRA updates, forward passes on ``core``, nothing reported or fetched."""
     venv = tier_dir() / "venv"
     return {"PATH": f"{venv / 'bin'}:$PATH", "VIRTUAL_ENV": str(venv),
             "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
-            "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "PYTHONPATH": ""}
 
@@ -116,7 +117,7 @@ def stage_reprobe(tier: dict, out: Path) -> int:
     it alone (``OUT/probe-after/profile.yaml``, not the loop's profile): how far the server's own costs
     moved during the sitting, which no model of vLLM can predict (the report's drift table)."""
     rc = stage_probe(tier, out, "probe-after")
-    if rc:
+    if rc not in (0, EXIT_NOT_ACCEPTABLE):   # noisy or failed rows: said in the rows, left out by calibrate
         return rc
     return lora_opt("calibrate", "--runs", rel(out / "probe-after" / "rows.csv"), "--model", MODEL_ENTRY,
                     "--out", rel(out / "probe-after" / "profile.yaml"), log=out / "logs" / "calibrate-after.txt")
