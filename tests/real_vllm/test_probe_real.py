@@ -19,6 +19,9 @@ from __future__ import annotations
 import csv
 import json
 import shlex
+from pathlib import Path
+
+import yaml
 
 from real_vllm_tier import HEALTH_TIMEOUT_S, free_port, tier_command
 
@@ -47,8 +50,12 @@ def _positive_costs(path) -> list[str]:
         costs[f"lora r{rank} jump"] = lora.jump
         if lora.slope < 0:
             costs[f"lora r{rank} slope"] = lora.slope
+    # a CPU->slot copy within the probe's noise is 0 ms and said so in the fit (calibrate warns too)
+    unresolved = (yaml.safe_load(Path(path).read_text()).get("fit", {}).get("estimators", {}).get("loading", {})
+                  .get("cpu_to_gpu_unresolved_ranks", []))
     for rank, v in p.loading.cpu_to_gpu_ms.items():
-        costs[f"cpu_to_gpu_ms r{rank}"] = v
+        if not (v == 0 and rank in unresolved):
+            costs[f"cpu_to_gpu_ms r{rank}"] = v
     for rank, v in p.loading.disk_to_cpu_ms.items():
         costs[f"disk_to_cpu_ms r{rank}"] = v
     return [f"{k} = {v}" for k, v in costs.items() if not v > 0]
