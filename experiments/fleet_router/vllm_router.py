@@ -229,6 +229,41 @@ def _ratio(x: dict, y: dict, key: str) -> float:
     return x[key] / y[key] if y[key] else float("nan")
 
 
+def side_rows(results: list[dict]) -> list[str]:
+    """The shares table's rows (this script's and vllm_router_real.py's): per policy, vllm-router as measured,
+    the twin with the same policy, the twin as routed."""
+    rows = []
+    for r in results:
+        m = r["vllm_router"]
+        for side, d in (("vllm-router (measured)", m), (f"twin `{r['twin_policy']}`", r["twin_same_policy"]),
+                        ("twin as routed", r["twin_as_routed"])):
+            rows.append(f"| `{r['policy']}` | {side} | {' / '.join(f'{s:.2f}' for s in d['shares'])} | "
+                        f"{d['throughput_tok_s']:.0f} | {d['ttft_mean_ms']:.0f} | {d['itl_mean_ms']:.1f} | "
+                        f"{_ratio(d, m, 'ttft_mean_ms'):.2f} |")
+    return rows
+
+
+def common_args(ap, router_default: str | None, router_help: str, out: Path) -> None:
+    """The options both scripts take beside their own: seed, policies, the router binary, out (default ``out``),
+    tracking."""
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    ap.add_argument("--router-bin", default=router_default, help=router_help)
+    ap.add_argument("--out", default=str(out))
+    ap.add_argument("--tracking-uri")
+    ap.add_argument("--no-track", action="store_true", help="no MLflow run")
+
+
+def log_results(a, results: list[dict], params: dict) -> None:
+    """The MLflow run's params (``params``, the policies) and every side's numbers per policy; ``a.out``'s files."""
+    import mlflow
+    mlflow.log_params({"vllm_router_version": VERSION, **params, "seed": a.seed, "policies": ",".join(a.policies)})
+    for r in results:
+        log_flat_metrics(r["policy"], {k: {m: v for m, v in d.items() if m not in ("shares", "served")}
+                                       for k, d in r.items() if isinstance(d, dict) and k != "hash_map"})
+    log_dir(a.out)
+
+
 def report(results: list[dict], a, command: str) -> str:
     lines = [f"# vLLM's router (vllm-router {VERSION}) in front of {a.instances} emulated instances vs the fleet twin",
              "", f"Command: `{command}`", "",
@@ -237,13 +272,7 @@ def report(results: list[dict], a, command: str) -> str:
              "throughput in tok/s; shares = each instance's fraction of the requests.", "",
              "| vllm-router policy | side | shares | throughput | mean TTFT | mean ITL | TTFT / vllm-router |",
              "|---|---|---|---:|---:|---:|---:|"]
-    for r in results:
-        m = r["vllm_router"]
-        for side, d in (("vllm-router (measured)", m), (f"twin `{r['twin_policy']}`", r["twin_same_policy"]),
-                        ("twin as routed", r["twin_as_routed"])):
-            lines.append(f"| `{r['policy']}` | {side} | {' / '.join(f'{s:.2f}' for s in d['shares'])} | "
-                         f"{d['throughput_tok_s']:.0f} | {d['ttft_mean_ms']:.0f} | {d['itl_mean_ms']:.1f} | "
-                         f"{_ratio(d, m, 'ttft_mean_ms'):.2f} |")
+    lines += side_rows(results)
     lines += ["", "Machine: client send lateness p99 / engine lag p99 (wall ms): " +
               ", ".join(f"{r['policy']} {r['vllm_router']['send_late_p99_ms']:.1f} / "
                         f"{r['vllm_router']['engine_lag_p99_ms']:.1f}" for r in results), "",
@@ -273,13 +302,8 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--duration-s", type=float, default=60.0, help="simulated seconds of the stream")
     ap.add_argument("--speed", type=float, default=2.0, help="emulator speed (simulated s per wall s)")
-    ap.add_argument("--seed", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    ap.add_argument("--router-bin", default=os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router"),
-                    help="the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH)")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--tracking-uri")
-    ap.add_argument("--no-track", action="store_true", help="no MLflow run")
+    common_args(ap, os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router"),
+                "the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH)", OUT)
     a = ap.parse_args()
     if not a.router_bin:
         sys.exit("vllm-router not found: pip install 'lora-opt[router]' (or set VLLM_ROUTER_BIN)")
@@ -305,13 +329,7 @@ def main() -> None:
                                                         "wall_s": time.time() - t0, "results": results}, indent=1))
         (a.out / "report.md").write_text(report(results, a, command))
         if not a.no_track:
-            import mlflow
-            mlflow.log_params({"vllm_router_version": VERSION, "instances": a.instances, "duration_s": a.duration_s,
-                               "speed": a.speed, "seed": a.seed, "policies": ",".join(a.policies)})
-            for r in results:
-                log_flat_metrics(r["policy"], {k: {m: v for m, v in d.items() if m != "shares"}
-                                               for k, d in r.items() if isinstance(d, dict) and k != "hash_map"})
-            log_dir(a.out)
+            log_results(a, results, {"instances": a.instances, "duration_s": a.duration_s, "speed": a.speed})
     print((a.out / "report.md").read_text())
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from lora_opt.emulate.client import replay, summarise
 from lora_opt.emulate.fleet import free_ports
 from lora_opt.probe.launch import LaunchedServer, ServeCommand
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
+from lora_opt.tracking import tracked_run
 from twin.scenario import scenario_from_dict
 from twin.workload import generate_requests
 
@@ -60,8 +60,8 @@ _h = load_by_path("fleet_router_helpers", Path(__file__).with_name("vllm_router.
 _loop = load_by_path("real_validation_cpu_loop", Path(__file__).resolve().parents[1] / "real_validation" / "cpu_loop.py")
 tier_dir, load_probe_tier, server_env = _loop.tier_dir, _loop.load_probe_tier, _loop.server_env
 POLICIES, SESSION_HEADER, VERSION = _h.POLICIES, _h.SESSION_HEADER, _h.VERSION
-_ratio, probe_hash_map, served, start_router, stop, twin = (_h._ratio, _h.probe_hash_map, _h.served, _h.start_router,
-                                                            _h.stop, _h.twin)
+common_args, log_results, probe_hash_map, served, side_rows, start_router, stop, twin = (
+    _h.common_args, _h.log_results, _h.probe_hash_map, _h.served, _h.side_rows, _h.start_router, _h.stop, _h.twin)
 OUT = Path(__file__).resolve().parent / "real"
 PROFILE = "probe-llama-cpu-vllm032"
 #: served name -> the tier's probe-size adapter (two of rank 8, two of rank 16)
@@ -170,13 +170,7 @@ def report(results: list[dict], a, command: str, n: int) -> str:
              "share two cores: the latency columns are indicative, not a test of the twin.", "",
              "| vllm-router policy | side | shares | throughput (tok/s) | mean TTFT (ms) | mean ITL (ms) | TTFT / vllm-router |",
              "|---|---|---|---:|---:|---:|---:|"]
-    for r in results:
-        m = r["vllm_router"]
-        for side, d in (("vllm-router (measured)", m), (f"twin `{r['twin_policy']}`", r["twin_same_policy"]),
-                        ("twin as routed", r["twin_as_routed"])):
-            lines.append(f"| `{r['policy']}` | {side} | {' / '.join(f'{s:.2f}' for s in d['shares'])} | "
-                         f"{d['throughput_tok_s']:.0f} | {d['ttft_mean_ms']:.0f} | {d['itl_mean_ms']:.1f} | "
-                         f"{_ratio(d, m, 'ttft_mean_ms'):.2f} |")
+    lines += side_rows(results)
     lines += ["", "| policy | requests sent / answered 200 / errors | served per instance | client send late, mean / p99 / max (ms) |",
               "|---|---|---|---|"]
     for r in results:
@@ -200,15 +194,10 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--duration-s", type=float, default=90.0, help="wall seconds of each policy's stream")
     ap.add_argument("--rate", type=float, default=0.5, help="the stream's total rate (req/s, all instances)")
-    ap.add_argument("--seed", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     tier_router = tier_dir() / "router-venv" / "bin" / "vllm-router"
-    ap.add_argument("--router-bin", default=os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
-                    or (str(tier_router) if tier_router.exists() else None),
-                    help="the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH, else the tier's)")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--tracking-uri")
-    ap.add_argument("--no-track", action="store_true", help="no MLflow run")
+    common_args(ap, os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
+                or (str(tier_router) if tier_router.exists() else None),
+                "the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH, else the tier's)", OUT)
     a = ap.parse_args()
     if not a.router_bin:
         sys.exit("vllm-router not found: pip install 'lora-opt[router]' (or set VLLM_ROUTER_BIN)")
@@ -239,13 +228,7 @@ def main() -> None:
             "requests": len(req), "command": command, "wall_s": time.time() - t0, "results": results}, indent=1))
         (a.out / "report.md").write_text(report(results, a, command, len(req)))
         if not a.no_track:
-            import mlflow
-            mlflow.log_params({"vllm_router_version": VERSION, "instances": a.instances, "duration_s": a.duration_s,
-                               "rate": a.rate, "seed": a.seed, "policies": ",".join(a.policies), "real": True})
-            for r in results:
-                log_flat_metrics(r["policy"], {k: {m: v for m, v in d.items() if m not in ("shares", "served")}
-                                               for k, d in r.items() if isinstance(d, dict) and k != "hash_map"})
-            log_dir(a.out)
+            log_results(a, results, {"instances": a.instances, "duration_s": a.duration_s, "rate": a.rate, "real": True})
     print((a.out / "report.md").read_text())
 
 
