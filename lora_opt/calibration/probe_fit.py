@@ -240,8 +240,9 @@ def fit_lora(runs: pd.DataFrame, decode: FitResult) -> FitResult:
     for rank in sorted(set(ranks[np.isfinite(ranks)].astype(int))):
         # the distinct-adapter sweeps only: a batch size measured at one adapter count (the per-token
         # form's windows for LoRA's fixed cost a step) tells the factor nothing about adapters
-        swept = {bb for bb in set(b[ranks == rank]) if len(set(dist[(ranks == rank) & (b == bb)])) >= 2}
-        sel = (ranks == rank) & np.isin(b, list(swept))
+        at = ranks == rank
+        swept = [bb for bb in set(b[at]) if len(set(dist[at & (b == bb)])) >= 2]
+        sel = at & np.isin(b, swept)
         if len(set(dist[sel])) < 2:
             extra[f"rank_{rank}"] = {"fitted": False, "note": "fewer than 2 distinct-adapter counts"}
             continue
