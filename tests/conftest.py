@@ -7,6 +7,9 @@ from small_scenarios import PROFILE, small_scenario  # noqa: F401  (the `small` 
 
 import lora_opt.no_network_env  # noqa: F401  (no telemetry, Ray on loopback)
 
+#: failing tests' reports made with the garbage collector off (the module says why)
+pytest_plugins = ["gc_quiet_reports"]
+
 #: an empty MLflow store with its schema made, copied into each test's own store
 _MLFLOW_TEMPLATE: list[Path] = []
 
