@@ -185,9 +185,11 @@ def test_bench_fleet_reports_the_ratio_to_independent_engines(tmp_path):
 
     from lora_opt.bench.fleet import FLEETS, bench_fleet
 
-    lines = bench_fleet(sizes=(1, 2), window_s=30.0, out=str(tmp_path / "fleet.json"))
-    rows = json.loads((tmp_path / "fleet.json").read_text())["fleet"]
+    lines = bench_fleet(sizes=(1, 2), window_s=30.0, out=str(tmp_path / "fleet.json"), repeats=2)
+    report = json.loads((tmp_path / "fleet.json").read_text())
+    rows = report["fleet"]
     assert [r["engines"] for r in rows] == [1, 2] and len(lines) == 4
+    assert report["repeats"] == 2 and "best of 2" in lines[0] and report["command"] == "lora-opt bench fleet --repeats 2"
     assert all(set(r["fleets"]) == {k for k, *_ in FLEETS} for r in rows)
     assert all(f["ratio"] > 0 and f["completed"] > 0 for r in rows for f in r["fleets"].values())
 

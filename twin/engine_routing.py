@@ -127,8 +127,15 @@ def pick_affinity(candidates, waiting, kv, affine, n_adapters, max_loras, u0, u1
     there), ``n_adapters`` (running + waiting adapters), ``max_loras``.  ``u0`` decides affinity vs
     available, ``u1`` the final pick."""
     n = candidates.shape[0]
-    a = np.empty(n, np.int64)
-    b = np.empty(n, np.int64)
+    return _pick_affinity(candidates, waiting, kv, affine, n_adapters, max_loras, u0, u1,
+                          np.empty(n, np.int64), np.empty(n, np.int64))
+
+
+@njit(cache=True)
+def _pick_affinity(candidates, waiting, kv, affine, n_adapters, max_loras, u0, u1, a, b):
+    """:func:`pick_affinity` with its two scratch arrays (``a``, ``b``: at least as long as
+    ``candidates``) given: the compiled loop allocates them once, not per request."""
+    n = candidates.shape[0]
     m = 0
     for e in candidates:
         if waiting[e] <= QUEUING_THRESHOLD_LORA:
@@ -179,32 +186,44 @@ def _count_at(states, k, h, clock, idle, flight, quiet, check):
 
 
 @njit(cache=True)
-def _scrape(states, k, stamp, run_mark, wait_mark, n_adapters, waiting, kv):
+def _scrape(states, k, stamp, mark, n_adapters, waiting, kv):
     """The metrics of engine ``k`` (``twin.engine_fleet.scrape``'s) into the view's arrays: the
-    adapters of its running / waiting requests marked with this scrape's ``stamp``."""
+    adapters of its running / waiting requests marked with this scrape's ``stamp`` in ``mark[adapter,
+    k]`` (``stamp * 4``, bit 1: seen running, bit 2: seen waiting; adapter-major, so the router's read of
+    one adapter over every engine at an arrival is contiguous)."""
     s = states[k]
     waiting[k] = s.n_waiting
     kv[k] = (s.cfg.kv_blocks - s.free_blocks) / max(1, s.cfg.kv_blocks)
     n = 0
+    base = stamp * 4
     for j in range(s.n_running):
         a = s.req_adapter[s.running[j]]
-        if run_mark[k, a] != stamp:
-            run_mark[k, a] = stamp
+        m = mark[a, k]
+        if m < base:
+            mark[a, k] = base | 1
+            n += 1
+        elif not m & 1:
+            mark[a, k] = m | 1
             n += 1
     if s.n_waiting < s.a_wait.shape[0]:          # walk WAITING, or scan the adapters, whichever is shorter
         r = s.ghead
         w = 0
         while r != -1 and w < s.n_waiting:
             a = s.req_adapter[r]
-            if wait_mark[k, a] != stamp:
-                wait_mark[k, a] = stamp
+            m = mark[a, k]
+            if m < base:
+                mark[a, k] = base | 2
+                n += 1
+            elif not m & 2:
+                mark[a, k] = m | 2
                 n += 1
             w += 1
             r = s.gnext[r]
     else:
         for a in range(s.a_wait.shape[0]):
             if s.a_wait[a] > 0:
-                wait_mark[k, a] = stamp
+                m = mark[a, k]
+                mark[a, k] = (m | 2) if m >= base else (base | 2)
                 n += 1
     n_adapters[k] = n
 
@@ -274,8 +293,10 @@ def _route_affinity(states, requests, table, u, draws, scrape_interval_s, check)
     width = 1
     for k in range(n_eng):
         width = max(width, states[k].a_wait.shape[0])
-    run_mark = np.zeros((n_eng, width), np.int32)        # scrape number when last seen running
-    wait_mark = np.zeros((n_eng, width), np.int32)
+    mark = np.zeros((width, n_eng), np.int32)            # 4 x scrape number when last seen | running 1 | waiting 2
+    serves_by_adapter = np.ascontiguousarray(serves.T)   # adapter-major: one adapter's engines contiguous
+    scratch_a = np.empty(n_eng, np.int64)
+    scratch_b = np.empty(n_eng, np.int64)
     stamp = np.zeros(n_eng, np.int32)                   # each engine's last real scrape
     seen = np.zeros(n_eng, np.int64)                    # the tick at which the router last read it
     dirty = np.ones(n_eng, np.bool_)          # never scraped yet
@@ -305,12 +326,12 @@ def _route_affinity(states, requests, table, u, draws, scrape_interval_s, check)
                     seen[e] = scrapes
                     if _advance(states, e, tick, clock, idle, flight, check) or dirty[e]:
                         stamp[e] = scrapes
-                        _scrape(states, e, scrapes, run_mark, wait_mark, n_adapters, waiting, kv)
+                        _scrape(states, e, scrapes, mark, n_adapters, waiting, kv)
                         dirty[e] = False
+            row = serves_by_adapter[a]
             for e in cands:
-                ta = serves[e, a]
-                affine[e] = run_mark[e, ta] == stamp[e] or wait_mark[e, ta] == stamp[e]
-            e = pick_affinity(cands, waiting, kv, affine, n_adapters, max_loras, u0, u1)
+                affine[e] = mark[row[e], e] >> 2 == stamp[e]
+            e = _pick_affinity(cands, waiting, kv, affine, n_adapters, max_loras, u0, u1, scratch_a, scratch_b)
         _assign(states, e, i, requests, serves, a, engine_of, flight, idle)
     return engine_of, scrapes
 

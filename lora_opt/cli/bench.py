@@ -45,7 +45,7 @@ def _emulate(args: argparse.Namespace) -> list[str]:
 
 def _fleet(args: argparse.Namespace) -> list[str]:
     from lora_opt.bench.fleet import bench_fleet
-    return bench_fleet(out=args.out)
+    return bench_fleet(out=args.out, repeats=args.repeats)
 
 
 #: benchmark name -> its runner; ``lora-opt bench``'s choices
