@@ -1,5 +1,5 @@
 """``lora-opt bench fleet``: the fleet twin's CPU cost against N independent engines on the same
-requests (the best of ``--repeats`` runs each, in this process, the kernel compiled before timing).
+requests (the best of ``--repeats`` rounds, in this process, the kernel compiled before timing).
 
 The traffic: the bundled Azure conversation trace (one hour, ~5.4 req/s) scaled to the fleet --
 N cyclically shifted copies superposed (``lora_opt.placement.trace_split.scaled_arrivals``), so
@@ -11,7 +11,8 @@ static adapters (the placement's instances; a router that reads nothing routes a
 once, one that reads state runs the compiled routing loop); every router but ``static`` with
 on-demand adapters (every adapter on every engine, its own 8 preloaded, 16 in the CPU cache;
 ``lora-affinity`` scrapes every engine every 0.1 s).
-Reported: CPU seconds (``time.process_time``, the least of ``--repeats`` runs each) and each fleet's ratio to (a); N = 1,000 runs a
+Reported: CPU seconds (``time.process_time``, the least of ``--repeats`` rounds, each round timing (a) and
+every fleet once) and each fleet's ratio to (a); N = 1,000 runs a
 shorter window (:data:`WINDOWS_S`).  On demand every engine's table holds every adapter of the
 fleet (8,000 at N = 1,000: ~2.7 GB peak with the engines sharing one scenario)."""
 from __future__ import annotations
@@ -86,15 +87,10 @@ def fleet_engines(n: int, duration_s: float, on_demand: bool) -> list[FleetEngin
     return out
 
 
-def _cpu(fn, repeats: int = 1) -> float:
-    """The least CPU seconds of ``repeats`` calls of ``fn`` (this 2-core VM's run-to-run noise is
-    about +-15 %: one run of a fleet against one of the independent engines can be off by 30 %)."""
-    best = math.inf
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best
+def _cpu(fn) -> float:
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
 
 
 def _row(n: int, duration_s: float, bar, repeats: int = 1) -> dict:
@@ -114,19 +110,30 @@ def _row(n: int, duration_s: float, bar, repeats: int = 1) -> dict:
     def independent():
         for fe, r in zip(static, mine):
             simulate(fe.scenario, requests=r)
-    base = _cpu(independent, repeats)
+
+    # rounds, the least of each configuration's times kept: each round times the independent engines and then
+    # every fleet once, so a slow spell of this shared 2-core VM (+-15 % run to run, more over minutes) costs
+    # every configuration one round rather than one configuration all its repeats
+    best: dict[str, float] = {}
+    completed: dict[str, int] = {}
+    fleets = [f for f in FLEETS if f[2] == "static" or n <= ON_DEMAND_MAX_ENGINES]
+    for _ in range(repeats):
+        best["independent"] = min(best.get("independent", math.inf), _cpu(independent))
+        bar.set_postfix_str(f"{n} engines: independent {best['independent']:.1f} s")
+        for key, router, adapters in fleets:
+            bar.update(1)
+            engines = fleet_engines(n, duration_s, True) if adapters == "on-demand" else static
+            res = []
+            best[key] = min(best.get(key, math.inf),
+                            _cpu(lambda: res.append(simulate_fleet(engines, req, make_router(router, setup)))))
+            completed[key] = sum(r.completed for r in res[0].engines)
+            res.clear()
+        bar.update(len(FLEETS) - len(fleets))
+    base = best["independent"]
     row = {"engines": n, "requests": len(req), "simulated_s": duration_s, "independent_cpu_s": base, "fleets": {}}
-    bar.set_postfix_str(f"{n} engines: independent {base:.1f} s")
-    for key, router, adapters in FLEETS:
-        bar.update(1)
-        if adapters == "on-demand" and n > ON_DEMAND_MAX_ENGINES:
-            continue
-        engines = fleet_engines(n, duration_s, True) if adapters == "on-demand" else static
-        res = []
-        cpu = _cpu(lambda: res.append(simulate_fleet(engines, req, make_router(router, setup))), repeats)
-        row["fleets"][key] = {"router": router, "adapters": adapters, "cpu_s": cpu, "ratio": cpu / base if base else None,
-                              "completed": sum(r.completed for r in res[0].engines)}
-        res.clear()
+    for key, router, adapters in fleets:
+        row["fleets"][key] = {"router": router, "adapters": adapters, "cpu_s": best[key],
+                              "ratio": best[key] / base if base else None, "completed": completed[key]}
     return row
 
 
@@ -138,7 +145,7 @@ def bench_fleet(sizes=(1, 10, 100, 1000), window_s: float | None = None, out: st
     for key, router, adapters in FLEETS:
         setup = RouterSetup(2, [f"a{k}" for k in range(2 * PER_ENGINE)], 0, {k: [(k % 2, 1.0)] for k in range(16)})
         simulate_fleet(fleet_engines(2, 60.0, adapters == "on-demand"), warm, make_router(router, setup))
-    with tqdm(total=len(sizes) * len(FLEETS), desc="bench fleet", unit="fleet") as bar:
+    with tqdm(total=len(sizes) * len(FLEETS) * repeats, desc="bench fleet", unit="fleet") as bar:
         rows = [_row(n, window_s or WINDOWS_S.get(n, 3600.0), bar, repeats) for n in sizes]
     keys = [k for k, *_ in FLEETS]
     lines = [f"fleet twin vs N independent engines: {TRACE} superposed N times (one trace's load per engine), "
