@@ -186,6 +186,20 @@ def _count_at(states, k, h, clock, idle, flight, quiet, check):
 
 
 @njit(cache=True)
+def _mark(mark, a, k, base, bit):
+    """Mark adapter ``a`` of engine ``k`` seen (``bit``) in the scrape whose marks start at ``base``;
+    1 when it was not yet seen so in that scrape, else 0."""
+    m = mark[a, k]
+    if m < base:
+        mark[a, k] = base | bit
+        return 1
+    if m & bit:
+        return 0
+    mark[a, k] = m | bit
+    return 1
+
+
+@njit(cache=True)
 def _scrape(states, k, stamp, mark, n_adapters, waiting, kv):
     """The metrics of engine ``k`` (``twin.engine_fleet.scrape``'s) into the view's arrays: the
     adapters of its running / waiting requests marked with this scrape's ``stamp`` in ``mark[adapter,
@@ -197,34 +211,18 @@ def _scrape(states, k, stamp, mark, n_adapters, waiting, kv):
     n = 0
     base = stamp * 4
     for j in range(s.n_running):
-        a = s.req_adapter[s.running[j]]
-        m = mark[a, k]
-        if m < base:
-            mark[a, k] = base | 1
-            n += 1
-        elif not m & 1:
-            mark[a, k] = m | 1
-            n += 1
+        n += _mark(mark, s.req_adapter[s.running[j]], k, base, 1)
     if s.n_waiting < s.a_wait.shape[0]:          # walk WAITING, or scan the adapters, whichever is shorter
         r = s.ghead
         w = 0
         while r != -1 and w < s.n_waiting:
-            a = s.req_adapter[r]
-            m = mark[a, k]
-            if m < base:
-                mark[a, k] = base | 2
-                n += 1
-            elif not m & 2:
-                mark[a, k] = m | 2
-                n += 1
+            n += _mark(mark, s.req_adapter[r], k, base, 2)
             w += 1
             r = s.gnext[r]
     else:
         for a in range(s.a_wait.shape[0]):
             if s.a_wait[a] > 0:
-                m = mark[a, k]
-                mark[a, k] = (m | 2) if m >= base else (base | 2)
-                n += 1
+                n += _mark(mark, a, k, base, 2)
     n_adapters[k] = n
 
 
