@@ -34,3 +34,20 @@ def test_drift_table_before_after_and_change(tmp_path):
     assert lines[0] == "| coefficient | before | after | change |"
     assert "| base_ms | 10 | 12 | +20.0 % |" in lines and "| LoRA r8 jump | 0.5 | 0.25 | -50.0 % |" in lines
     assert changes["per_seq_ms"] == 0.0 and changes["LoRA r8 prefill_share"] == 0.0
+
+
+def test_drift_sitting_spread_tells_slow_drift_from_round_to_round_noise(monkeypatch):
+    """experiments/real_validation/cpu_drift.py's summary: a speed that steps once (neighbours agree) has a
+    small round-to-round change and a large sitting spread; rounds left out (None) do not count."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments" / "real_validation"))
+    import cpu_drift
+
+    slow = cpu_drift.spread([10.0, 10.0, None, 10.0, 10.0, 20.0, 20.0, 20.0])
+    assert slow["n"] == 7 and slow["max_over_min"] == 2.0 and slow["neighbour_median_rel_change"] == 0.0
+    assert slow["first_third_vs_last_third"] == 1.0
+    noisy = cpu_drift.spread([10.0, 20.0, 10.0, 20.0, 10.0, 20.0])
+    assert noisy["neighbour_median_rel_change"] >= 0.5 and abs(noisy["first_third_vs_last_third"]) < 1.0
+    assert cpu_drift.spread([1.0, None]) == {"n": 1}
+    md = cpu_drift.report([{}], {"minutes": 1, "every_s": 20, "started": "now",
+                                 "spread": {m: slow for m in cpu_drift.MEASURES}})
+    assert "| lora_step_ms | 7 | 10.0 | 10.0 - 20.0 | 2.00 |" in md
