@@ -87,10 +87,11 @@ def fleet_engines(n: int, duration_s: float, on_demand: bool) -> list[FleetEngin
     return out
 
 
-def _cpu(fn) -> float:
+def _cpu(fn):
+    """(CPU seconds of ``fn()``, its result)."""
     t = time.process_time()
-    fn()
-    return time.process_time() - t
+    out = fn()
+    return time.process_time() - t, out
 
 
 def _row(n: int, duration_s: float, bar, repeats: int = 1) -> dict:
@@ -117,17 +118,18 @@ def _row(n: int, duration_s: float, bar, repeats: int = 1) -> dict:
     best: dict[str, float] = {}
     completed: dict[str, int] = {}
     fleets = [f for f in FLEETS if f[2] == "static" or n <= ON_DEMAND_MAX_ENGINES]
+    # the instances are descriptions (flags, table, preloaded adapters): every run builds its own states
+    on_demand = fleet_engines(n, duration_s, True) if any(f[2] == "on-demand" for f in fleets) else None
     for _ in range(repeats):
-        best["independent"] = min(best.get("independent", math.inf), _cpu(independent))
+        best["independent"] = min(best.get("independent", math.inf), _cpu(independent)[0])
         bar.set_postfix_str(f"{n} engines: independent {best['independent']:.1f} s")
         for key, router, adapters in fleets:
             bar.update(1)
-            engines = fleet_engines(n, duration_s, True) if adapters == "on-demand" else static
-            res = []
-            best[key] = min(best.get(key, math.inf),
-                            _cpu(lambda: res.append(simulate_fleet(engines, req, make_router(router, setup)))))
-            completed[key] = sum(r.completed for r in res[0].engines)
-            res.clear()
+            engines = on_demand if adapters == "on-demand" else static
+            cpu, res = _cpu(lambda: simulate_fleet(engines, req, make_router(router, setup)))
+            best[key] = min(best.get(key, math.inf), cpu)
+            completed[key] = sum(r.completed for r in res.engines)
+            del res
         bar.update(len(FLEETS) - len(fleets))
     base = best["independent"]
     row = {"engines": n, "requests": len(req), "simulated_s": duration_s, "independent_cpu_s": base, "fleets": {}}
@@ -140,7 +142,7 @@ def _row(n: int, duration_s: float, bar, repeats: int = 1) -> dict:
 def bench_fleet(sizes=(1, 10, 100, 1000), window_s: float | None = None, out: str | None = None,
                 repeats: int = 1) -> list[str]:
     """CPU seconds of N independent engines vs the fleet under every router, per N in ``sizes``
-    (each over :data:`WINDOWS_S`, or ``window_s`` for all); each the best of ``repeats`` runs."""
+    (each over :data:`WINDOWS_S`, or ``window_s`` for all); each the least of ``repeats`` rounds (:func:`_row`)."""
     warm = fleet_requests(2, 60.0)                # compile every path before timing
     for key, router, adapters in FLEETS:
         setup = RouterSetup(2, [f"a{k}" for k in range(2 * PER_ENGINE)], 0, {k: [(k % 2, 1.0)] for k in range(16)})
