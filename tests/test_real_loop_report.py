@@ -51,3 +51,25 @@ def test_drift_sitting_spread_tells_slow_drift_from_round_to_round_noise(monkeyp
     md = cpu_drift.report([{}], {"minutes": 1, "every_s": 20, "started": "now",
                                  "spread": {m: slow for m in cpu_drift.MEASURES}})
     assert "| lora_step_ms | 7 | 10.0 | 10.0 - 20.0 | 2.00 |" in md
+
+
+def test_speed_check_factors_recover_a_known_slowdown(monkeypatch):
+    """experiments/real_validation/cpu_checked.py: a check whose measures are the profile's own predictions
+    with the LoRA-off costs 1.2x, the LoRA costs below the knee 1.5x and above it 0.8x gives those factors
+    back, and the profile scaled by them predicts the check exactly; a measure the client could not resolve
+    (None) leaves its factor at 1."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments" / "real_validation"))
+    import cpu_checked
+
+    profile = yaml.safe_load((ROOT / "configs" / "profiles" / "probe-llama-cpu-vllm032.yaml").read_text())
+    want = {"dense": 1.2, "lora": 1.5, "above": 0.8}
+    chk = {"base_step_ms": 1.0, "base_ctx_k": 1.0, "lora_step_ms": 1.0, "lora_ctx_k": 1.1,
+           **{f"ttft_{p}_ms": 1.0 for p in cpu_checked.LONE_PROMPTS}}
+    pred = cpu_checked.predicted(profile, 16, 2048, chk)
+    assert pred["ttft_640_ms"][2] > 0 and pred["ttft_192_ms"][2] == 0 and pred["base_step_ms"][1:] == (0.0, 0.0)
+    chk.update({k: want["dense"] * d + want["lora"] * lo + want["above"] * hi for k, (d, lo, hi) in pred.items()})
+    got = cpu_checked.speed_factors(profile, 16, 2048, chk)
+    assert all(abs(got[k] - want[k]) < 1e-9 for k in want), got
+    again = cpu_checked.predicted(cpu_checked.scaled_profile(profile, got), 16, 2048, chk)
+    assert all(abs(sum(again[k]) - chk[k]) < 1e-6 * chk[k] for k in pred)
+    assert cpu_checked.speed_factors(profile, 16, 2048, {**chk, "ttft_640_ms": None})["above"] == 1.0

@@ -87,8 +87,11 @@ def capacity_rate(name: str, tier: dict, duration: float = 600.0) -> float:
     return lo
 
 
-def validate_one(name: str, half: str, tier: dict, total_rate: float, out: Path, duration: float) -> dict:
-    """Place, launch the emitted command on the real server, validate; the comparison (or why not)."""
+def validate_one(name: str, half: str, tier: dict, total_rate: float, out: Path, duration: float,
+                 around=None) -> dict:
+    """Place, launch the emitted command on the real server, validate; the comparison (or why not).
+    ``around(url)``, when given, runs on the live server just before and just after the replay (the
+    speed checks of ``cpu_checked.py``); what it returns is kept as ``checks`` {before, after}."""
     from lora_opt.placement.report import write_outputs
     from lora_opt.probe.launch import LaunchedServer, read_launch
     from twin.profile import load_profile
@@ -108,13 +111,18 @@ def validate_one(name: str, half: str, tier: dict, total_rate: float, out: Path,
     server = LaunchedServer(cmd, server_cmd=None, log_path=run / "server.log", health_timeout_s=420)
     if not server.start():
         return {"error": f"server did not start (exit {server.exit_code}): {server.log_tail(5)}"}
+    checks: dict = {}
     try:
+        if around is not None:
+            checks["before"] = around(server.url)
         rc = lora_opt("validate", str(run / "placement" / "placement.json"), "--endpoints",
                       str(run / "placement" / "router.json"), "--workload", str(wl_path), "--duration", f"{duration:g}",
                       "--gpu", "CPU-2core", "--out", str(run / "out"), "--workers", "1", log=run / "validate.txt")
+        if around is not None:
+            checks["after"] = around(server.url)
     finally:
         server.stop()
-    result = {"exit": rc, "startup_s": server.startup_s}
+    result = {"exit": rc, "startup_s": server.startup_s, **({"checks": checks} if checks else {})}
     comp = run / "out" / "comparison.json"
     if comp.exists():
         result["comparison"] = json.loads(comp.read_text())
@@ -189,16 +197,28 @@ def revalidate_report_half(out: Path) -> int:
     ``recalibrate/after-validate/RUN`` (nothing sent again), the twin's side rewritten there."""
     rc = 0
     for run in sorted((out / "validation").glob("*-report")):
-        if not (run / "out" / "real.json").exists():
-            continue
-        dst = out / "recalibrate" / "after-validate" / run.name
-        if dst.exists():
-            shutil.rmtree(dst)
-        (dst / "out").mkdir(parents=True)
-        shutil.copytree(run / "placement", dst / "placement")
-        shutil.copy(run / "workload.yaml", dst / "workload.yaml")
-        for name in ("real.json", "requests.csv", "timeseries.csv", "bench.json"):
-            if (run / "out" / name).exists():
-                shutil.copy(run / "out" / name, dst / "out" / name)
-        rc |= retwin_run(dst, out / "logs" / f"revalidate_{run.name}.txt")
+        if (run / "out" / "real.json").exists():
+            rc |= retwin_copy(run, out / "recalibrate" / "after-validate" / run.name, None,
+                              out / "logs" / f"revalidate_{run.name}.txt")
     return rc
+
+
+def retwin_copy(run: Path, dst: Path, profile: str | None, log: Path) -> int:
+    """The stored run's measurements copied into ``dst`` (nothing sent again) and its twin side replayed
+    there (``validate --twin-only``) with ``profile`` (a profile file: written into the copy's placement
+    and workload) or, when None, the placement's profile as it is now."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    (dst / "out").mkdir(parents=True)
+    shutil.copytree(run / "placement", dst / "placement")
+    shutil.copy(run / "workload.yaml", dst / "workload.yaml")
+    for name in ("real.json", "requests.csv", "timeseries.csv", "bench.json"):
+        if (run / "out" / name).exists():
+            shutil.copy(run / "out" / name, dst / "out" / name)
+    if profile is not None:
+        pl = json.loads((dst / "placement" / "placement.json").read_text())
+        wl = yaml.safe_load((dst / "workload.yaml").read_text())
+        pl["profile"] = wl["profile"] = profile
+        atomic_write_json(dst / "placement" / "placement.json", pl, indent=1)
+        atomic_write_text(dst / "workload.yaml", yaml.safe_dump(wl, sort_keys=False))
+    return retwin_run(dst, log)
