@@ -16,7 +16,7 @@ from lora_opt.calibration.model_table import MODELS, load_model_table
 from lora_opt.calibration.probe_fit import PROBE_PREFIX, _prefill_known, fit_lora_per_token
 from lora_opt.errors import InputError
 from twin.paths import MODEL_TABLE_PATH
-from twin.profile import LoraOverheadSpec, load_profile, profile_to_dict
+from twin.profile import LoraOverheadSpec, load_profile, lora_token_cost, profile_to_dict
 
 DECODE = FitResult(params={"base_ms": 9.6, "per_seq_ms": 0.5, "per_ctx_ktoken_ms": 2.0}, families=[], n=6)
 PREFILL = FitResult(params={"per_token_ms": 0.35}, families=[], n=4, extra={"ttft_constant_ms": 5.0})
@@ -25,7 +25,7 @@ LENGTHS = (64, 128, 256, 384, 512, 768, 1024)
 
 def _rows(costs: dict[int, tuple[float, float, float]], noise: float, seed: int = 0) -> pd.DataFrame:
     """LoRA decode windows (B = 16, D = 1..16) and lone prompts through an adapter, from the per-token model
-    with (token_ms, knee in tokens, token_ms above) per rank and relative noise."""
+    with (token_ms, knee in tokens, token_ms for each token beyond it) per rank and relative noise."""
     rng = np.random.default_rng(seed)
     d = DECODE.params
     rows = []
@@ -37,7 +37,7 @@ def _rows(costs: dict[int, tuple[float, float, float]], noise: float, seed: int 
                          "probe_distinct_adapters": dist, "max_loras": 16})
         for p in LENGTHS:
             known, chunks = _prefill_known(d, p, 2048)
-            y = 5.0 + known + 0.35 * (p - chunks) + p * (below if p <= knee else above)
+            y = 5.0 + known + 0.35 * (p - chunks) + lora_token_cost(below, above, knee, p)
             rows.append({"experiment": PROBE_PREFIX + "ttft_lora", "status": "ok", "probe_prompt_tokens": p,
                          "probe_ttft_ms": y * (1 + noise * rng.standard_normal()), "max_lora_rank": rank,
                          "max_num_batched_tokens": 2048})
@@ -47,12 +47,22 @@ def _rows(costs: dict[int, tuple[float, float, float]], noise: float, seed: int 
 def test_the_fit_recovers_token_ms_and_one_knee_in_tokens_x_rank():
     costs = {32: (3.0, 256, 6.4), 16: (1.6, 512, 3.2)}
     fit = fit_lora_per_token(_rows(costs, noise=0.03), DECODE, PREFILL)
-    assert fit.extra["form"] == "per_token" and fit.extra["knee"]["between"] == [256 * 32, 384 * 32]
+    assert fit.extra["form"] == "per_token" and fit.extra["knee"]["form"] == "hinge"
+    assert fit.extra["knee"]["knee_product"] == 256 * 32
     for rank, (below, _, above) in costs.items():
         got = fit.params[rank]
         assert got["jump"] == 0.0 and got["prefill_share"] == 0.0 and got["ref_max_loras"] == 16.0
         assert got["token_ms"] == pytest.approx(below, rel=0.1) and got["token_ms_above"] == pytest.approx(above, rel=0.1)
-        assert got["prefill_knee_tokens"] == 320 * 32 / rank
+        assert got["prefill_knee_tokens"] == 256 * 32 / rank
+
+
+def test_the_lora_cost_is_continuous_at_the_knee():
+    """A step one token past the knee pays one dearer token more (a hinge), not all its tokens at the dearer
+    rate; no knee (inf) is one rate; the kernel compiles the same rule."""
+    from twin.engine_cost import _token_cost
+    for cost in (lora_token_cost, _token_cost):
+        assert cost(3.0, 6.0, 256, 256) == 768.0 and cost(3.0, 6.0, 256, 257) == 774.0
+        assert cost(3.0, 6.0, 256.0, 1000) == 3.0 * 256 + 6.0 * 744 and cost(3.0, 6.0, math.inf, 1000) == 3000.0
 
 
 def test_one_cost_per_token_without_a_step():
@@ -67,10 +77,10 @@ def test_the_step_model_adds_token_ms_per_token_of_a_step_with_an_adapter():
                             token_ms_above=6.0)
     plain = replace(lat, lora={32: LoraOverheadSpec(0.0, 0.0, prefill_share=0.0)})
     per_token = replace(lat, lora={32: lora})
-    for n_seqs, n_tokens in ((1, 1), (16, 16), (1, 256), (2, 257)):
-        rate = 3.0 if n_tokens <= 256 else 6.0
+    for n_seqs, n_tokens in ((1, 1), (16, 16), (1, 256), (2, 257), (1, 600)):
+        lora_ms = 3.0 * min(n_tokens, 256) + 6.0 * max(n_tokens - 256, 0)
         assert per_token.model_ms(n_seqs, n_tokens, 500, 1, 32, 2) == pytest.approx(
-            plain.model_ms(n_seqs, n_tokens, 500, 1, 32, 2) + rate * n_tokens)
+            plain.model_ms(n_seqs, n_tokens, 500, 1, 32, 2) + lora_ms)
         assert per_token.model_ms(n_seqs, n_tokens, 500, 0, 32, 2) == plain.model_ms(n_seqs, n_tokens, 500, 0, 32, 2)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from numba import njit
 
 import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
-from twin.profile import lora_extra, lora_prefill_share
+from twin.profile import lora_extra, lora_prefill_share, lora_token_cost
 
 _lora_extra = njit(cache=True)(lora_extra)
 _prefill_share = njit(cache=True)(lora_prefill_share)
+_token_cost = njit(cache=True)(lora_token_cost)
 
 
 @njit(cache=True)
@@ -19,7 +20,7 @@ def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, l
     The LoRA factor multiplies the per-sequence (decode-like) part; prefill tokens beyond one per
     sequence pay ``lora_prefill_share`` of the extra cost (``lora_prefill_share_above`` in a step of
     more than ``lora_prefill_knee`` tokens); every token of a step with an adapter pays ``lora_token_ms``
-    (``lora_token_ms_above`` above the knee: vLLM's CPU build's per-token adapter gather) and
+    (``lora_token_ms_above`` each beyond the knee: vLLM's CPU build's per-token adapter gather) and
     ``lora_step_ms`` once."""
     decode = lat.base_ms + lat.per_seq_ms * n_seqs + lat.per_ctx_ktoken_ms * ctx / 1000.0
     prefill = lat.per_token_ms * (n_tokens - n_seqs)
@@ -27,7 +28,7 @@ def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, l
         extra = _lora_extra(lat.lora_jump, lat.lora_slope, lat.lora_nsat, n_distinct)
         share = _prefill_share(lat.lora_prefill_share, lat.lora_prefill_share_above, lat.lora_prefill_knee, n_tokens)
         model = decode * (1.0 + extra) + prefill * (1.0 + share * extra)
-        model += _prefill_share(lat.lora_token_ms, lat.lora_token_ms_above, lat.lora_prefill_knee, n_tokens) * n_tokens
+        model += _token_cost(lat.lora_token_ms, lat.lora_token_ms_above, lat.lora_prefill_knee, n_tokens)
         model += lat.lora_step_ms
     else:
         model = decode + prefill

@@ -15,7 +15,7 @@ from pathlib import Path
 from numba.core import caching
 
 _TWIN = Path(__file__).resolve().parent
-# profile.py: the step-cost rules the kernel compiles from it (lora_prefill_share, lora_extra)
+# profile.py: the step-cost rules the kernel compiles from it (lora_prefill_share, lora_token_cost, lora_extra)
 KERNEL_FILES = tuple(sorted([*map(str, _TWIN.glob("engine*.py")), str(_TWIN / "adapter_cache.py"),
                              str(_TWIN / "profile.py")]))
 

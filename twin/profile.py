@@ -116,13 +116,24 @@ def lora_extra(jump, slope, n_sat, n_distinct):
 
 
 def lora_prefill_share(share, share_above, knee_tokens, n_tokens):
-    """A LoRA cost that steps up at the knee (``twin.engine_cost.step_seconds``): ``share`` in a step of
-    up to ``knee_tokens`` tokens, ``share_above`` in a larger one -- the share of the LoRA extra a step's
-    prefill tokens pay, and the LoRA ms per token (``LoraOverheadSpec.token_ms``).  vLLM's CPU build
-    gathers one copy of the adapter's matrices per token; where that stops fitting in the cache the cost
-    per token steps up (measured: ``experiments/real_validation/cpu_launch_check.py``).  The one
-    definition: the profile's estimator and the engine kernel (compiled with Numba) call it."""
+    """The share of the LoRA extra a step's prefill tokens pay (the factor form), stepping up at the knee
+    (``twin.engine_cost.step_seconds``): ``share`` in a step of up to ``knee_tokens`` tokens, ``share_above``
+    in a larger one.  The one definition: the profile's estimator and the engine kernel (compiled with
+    Numba) call it."""
     return share if n_tokens <= knee_tokens else share_above
+
+
+def lora_token_cost(token_ms, token_ms_above, knee_tokens, n_tokens):
+    """LoRA ms of a step's ``n_tokens`` tokens (the per-token form, vLLM's CPU build: one copy of the
+    adapter's matrices gathered per token): ``token_ms`` for each token up to ``knee_tokens``,
+    ``token_ms_above`` for each beyond -- a hinge, continuous at the knee.  The gathered copies leave the
+    cache a token at a time, so a step one token past the knee costs one dearer token more, not all its
+    tokens at the dearer rate: the probe's lone prompts at rank 32 cost 1.6 / 2.7 / 3.9 / 5.7 ms a token
+    at 128 / 256 / 384 / 512 tokens, a ramp (issue 24; a step priced a 256-token prompt 48 % high).  The
+    one definition: the profile's estimator and the engine kernel (compiled with Numba) call it."""
+    if n_tokens <= knee_tokens:
+        return token_ms * n_tokens
+    return token_ms * knee_tokens + token_ms_above * (n_tokens - knee_tokens)
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,7 @@ class LoraOverheadSpec:
     slots (0 for n = 0).  The per-sequence (decode) part of a step is multiplied by ``1 + extra``,
     prefill tokens by ``1 + prefill_share * extra`` (``prefill_share_above`` in a step of more than
     ``prefill_knee_tokens`` tokens).  ``n_sat = inf`` is the papers' linear model.  A step with an
-    adapter also pays ``token_ms`` per token it carries (``token_ms_above`` above the knee).
+    adapter also pays ``token_ms`` per token it carries (``token_ms_above`` for each beyond the knee).
     """
 
     jump: float
@@ -154,7 +165,7 @@ class LoraOverheadSpec:
     1 = the papers' model, the whole step is multiplied."""
     prefill_knee_tokens: float = math.inf
     """Tokens in a step above which its prefill tokens pay ``prefill_share_above`` instead of
-    ``prefill_share``, and every token ``token_ms_above`` instead of ``token_ms`` (vLLM's CPU build: about 8,192 / ``max_lora_rank`` on a 32 MiB L3, where the
+    ``prefill_share``, and each token beyond it ``token_ms_above`` instead of ``token_ms`` (vLLM's CPU build: about 6,000 / ``max_lora_rank`` on a 32 MiB L3, where the
     per-token adapter gather leaves the cache); inf = one share (every GPU profile)."""
     prefill_share_above: float | None = None
     """``prefill_share`` in a step above ``prefill_knee_tokens`` tokens (None = ``prefill_share``)."""
@@ -165,7 +176,8 @@ class LoraOverheadSpec:
     several times too high (measured: issue 24, ``experiments/real_validation/cpu/REPORT.md``).  0 =
     the factor form only (every GPU profile)."""
     token_ms_above: float | None = None
-    """``token_ms`` in a step above ``prefill_knee_tokens`` tokens (None = ``token_ms``)."""
+    """LoRA ms of each token of a step beyond its first ``prefill_knee_tokens`` (None = ``token_ms``):
+    the cost is continuous at the knee (:func:`lora_token_cost`)."""
     step_ms: float = 0.0
     """LoRA ms of a step that runs an adapter, whatever its size: vLLM's CPU build pays ~5 ms a step for
     its LoRA layers at rank 16 even at one sequence (measured: decode windows at 1-32 sequences, issue
@@ -176,8 +188,9 @@ class LoraOverheadSpec:
     def token_above(self) -> float:
         return self.token_ms if self.token_ms_above is None else self.token_ms_above
 
-    def token_ms_at(self, n_tokens: int) -> float:
-        return lora_prefill_share(self.token_ms, self.token_above, self.prefill_knee_tokens, n_tokens)
+    def token_cost(self, n_tokens: int) -> float:
+        """LoRA ms of a step's ``n_tokens`` tokens (:func:`lora_token_cost`)."""
+        return lora_token_cost(self.token_ms, self.token_above, self.prefill_knee_tokens, n_tokens)
 
     @property
     def share_above(self) -> float:
@@ -237,7 +250,7 @@ class LatencySpec:
         decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0
         prefill = self.per_token_ms * (n_tokens - n_seqs)
         model = decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share_at(n_tokens) * extra)
-        return model + lora.step_ms + lora.token_ms_at(n_tokens) * n_tokens if n_adapters > 0 else model
+        return model + lora.step_ms + lora.token_cost(n_tokens) if n_adapters > 0 else model
 
     def scheduler_ms(self, n_running: int, n_scanned: int) -> float:
         return self.sched_base_ms + self.sched_per_running_ms * n_running + self.sched_per_waiting_ms * n_scanned

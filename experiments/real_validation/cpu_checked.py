@@ -42,7 +42,7 @@ OUT = LOOP_OUT / "checked"
 BATCH, WINDOW_PROMPT, WINDOW_OUT = 16, 32, 96
 ADAPTER = "a16"
 LONE_PROMPTS, LONE_REPS = (192, 640), 3
-VARIANTS = ("before", "bracket")
+VARIANTS = ("loop", "before", "bracket")
 
 
 def speed_check(url: str) -> dict:
@@ -156,7 +156,8 @@ def stage_twin(out: Path) -> int:
         flags = WORKLOADS[r["workload"]]["flags"]
         rank, budget = flags["max_lora_rank"], 2048
         fb, fa = (speed_factors(profile, rank, budget, checks[w]) for w in ("before", "after"))
-        r["factors"] = {"before": fb, "after": fa, "bracket": {k: math.sqrt(fb[k] * fa[k]) for k in fb}}
+        r["factors"] = {"loop": {k: 1.0 for k in fb}, "before": fb, "after": fa,
+                        "bracket": {k: math.sqrt(fb[k] * fa[k]) for k in fb}}
         run = out / "validation" / key
         r["variants"] = {}
         for v in VARIANTS:
@@ -192,16 +193,16 @@ def write_report(out: Path) -> dict:
     for half in list(SEEDS) + ["all"]:
         lines += ["", f"## {'Every run' if half == 'all' else f'The {half} half (seed {SEEDS[half]})'}", ""]
         summary[half] = {}
-        for v in ("loop",) + VARIANTS:
-            runs = {k: {**results[k], "half": "x", "comparison": results[k]["comparison"] if v == "loop"
-                        else results[k]["variants"][v]} for k in keys if half in ("all", results[k]["half"])}
+        for v in VARIANTS:
+            runs = {k: {**results[k], "half": "x", "comparison": results[k]["variants"][v]}
+                    for k in keys if half in ("all", results[k]["half"])}
             table, overall = validation_table(runs, "x")
             summary[half][v] = {m: overall[m] for m, _, goal in METRICS if goal is not None}
             lines += [f"### twin: {v}", "", *table, ""]
         lines += ["| twin | " + " | ".join(f"{label} (target {goal:g} %)" for _, label, goal in METRICS if goal) + " |",
                   "|---|---|---|---|---|"]
         lines += [f"| {v} | " + " | ".join(f"{summary[half][v][m]:.1f} %" for m, _, goal in METRICS if goal) + " |"
-                  for v in ("loop",) + VARIANTS]
+                  for v in VARIANTS]
     atomic_write_text(out / "REPORT.md", "\n".join(lines) + "\n")
     return summary
 

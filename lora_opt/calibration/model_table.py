@@ -103,7 +103,7 @@ class ModelEntry:
     """How a probe fit prices LoRA (of :data:`LORA_COSTS`): ``factor`` (the papers' form, a GPU's: a step
     with adapters costs ``1 + jump`` times its decode part, prefill tokens ``1 + prefill_share * jump``) or
     ``per_token`` (vLLM's CPU build: every token of a step with an adapter pays ``token_ms`` of its rank,
-    stepping up at a knee in tokens x rank; ``jump`` and ``prefill_share`` 0): the per-token adapter
+    dearer for each token beyond a knee in tokens x rank; ``jump`` and ``prefill_share`` 0): the per-token adapter
     gather makes a small batch's LoRA cost small, which a factor fitted at 16 sequences prices ~4x high."""
     cpu_to_gpu_ms_from: CpuToGpuSource | None = None
     """Where the CPU->GPU load table comes from when the runs log no usable activation time."""

@@ -17,7 +17,8 @@ are direct:
   ``ttft_lora``; :func:`fit_lora_prefill`);
 * or, for a model entry with ``lora_cost: per_token`` (vLLM's CPU build), LoRA per token instead of the two
   above: ``token_ms`` per rank from the decode windows and the lone prompts together, one knee in tokens x
-  rank when an F-test demands it (:func:`fit_lora_per_token`; ``jump`` and ``prefill_share`` 0);
+  rank when an F-test demands it, beyond which each token pays ``token_ms_above`` (:func:`fit_lora_per_token`;
+  ``jump`` and ``prefill_share`` 0);
 * loading, per adapter rank: CPU->GPU = the load of a request whose adapter is in the CPU cache, not in a
   slot; disk->CPU = that of one whose adapter is on disk only, minus CPU->GPU; a CPU->GPU copy the probe did
   not resolve above its noise (a CPU server's few-ms copy) is 0, and the profile's notes say so;
@@ -56,6 +57,7 @@ from lora_opt.calibration.fitting import (
     sig,
 )
 from lora_opt.calibration.generations import GENERATIONS
+from lora_opt.calibration.knee_fit import RankPoints, fit_knee, share_fit
 from lora_opt.calibration.memory_fit import weights_gib
 from lora_opt.calibration.model_table import MODELS
 from lora_opt.calibration.step_fit import fit_lora_factor, fit_lora_step_ms
@@ -277,70 +279,13 @@ def _slope_test(y: np.ndarray, base: np.ndarray, pred: np.ndarray, params: dict)
             "jump_alone": jump_alone}
 
 
-def _share(a: np.ndarray, b: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """The share minimising the relative SSE of ``y - b + a*share`` against ``y`` (>= 0), and that SSE."""
-    w = 1.0 / y ** 2
-    share = max(float(np.sum(w * a * b) / np.sum(w * a * a)), 0.0) if np.any(a > 0) else 1.0
-    return share, float(np.sum(((a * share - b) / y) ** 2))
-
-
-#: a knee joins the LoRA prefill fit only when an F-test against one share per rank gives p below this, and
-KNEE_ALPHA = 0.01
-#: the share beyond it differs from the share up to it by at least this fraction (at some rank)
-KNEE_MIN_STEP = 0.2
-
-
-@dataclasses.dataclass
-class _RankPoints:
-    """One rank's lone prompts: the step's tokens x ``--max-lora-rank`` (the adapter gather's working set),
-    what ``prefill_share`` multiplies (``a``), the rest of the TTFT it leaves to explain (``b``), the TTFT."""
-
-    product: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    y: np.ndarray
-
-
-def _knee(points: dict[int, _RankPoints]) -> dict | None:
-    """One knee for every rank, in tokens x ``--max-lora-rank`` (the working set that leaves the cache; the
-    step sits at the same product for every rank), splitting each rank's prompts into a share up to it and
-    another beyond (a rank with < 2 prompts on a side keeps one share); the best split by relative SSE, kept
-    only when an F-test against one share per rank demands it (``KNEE_ALPHA``, ``KNEE_MIN_STEP``).  The knee
-    is the middle of the products around the step: no measured prompt lies between them."""
-    singles = {r: _share(q.a, q.b, q.y) for r, q in points.items()}
-    sse_one = sum(e for _, e in singles.values())
-    products = np.unique(np.concatenate([q.product for q in points.values()]))
-    best = None
-    for lo, hi in zip(products[:-1], products[1:]):
-        shares, sse, split = {}, 0.0, 0
-        for r, q in points.items():
-            below = q.product <= lo
-            if below.sum() >= 2 and (~below).sum() >= 2:
-                (s_lo, e_lo), (s_hi, e_hi) = _share(q.a[below], q.b[below], q.y[below]), \
-                    _share(q.a[~below], q.b[~below], q.y[~below])
-                shares[r], sse, split = (s_lo, s_hi), sse + e_lo + e_hi, split + 1
-            else:
-                shares[r], sse = (singles[r][0], singles[r][0]), sse + singles[r][1]
-        if split and (best is None or sse < best["sse"]):
-            best = {"knee_product": float((lo + hi) / 2), "between": [float(lo), float(hi)], "shares": shares,
-                    "sse": sse, "split_ranks": split}
-    if best is None:
-        return None
-    n = sum(len(q.y) for q in points.values())
-    best["p_value"] = f_test_p(sse_one, best["sse"], n, len(points) + 1 + best["split_ranks"],
-                               extra=1 + best["split_ranks"])
-    # parameters chosen from several splits: a strict test, and a step worth modelling
-    step = max(abs(hi / max(lo, 1e-12) - 1.0) for lo, hi in best["shares"].values())
-    return best if best["p_value"] < KNEE_ALPHA and step >= KNEE_MIN_STEP else None
-
-
 def fit_lora_prefill(runs: pd.DataFrame, decode: FitResult, prefill: FitResult, lora: FitResult) -> FitResult | None:
     """``prefill_share`` per rank from lone prompts through an adapter (family ``ttft_lora``):
     ``TTFT = c + known(P)*(1 + jump) + per_token*(P - chunks)*(1 + prefill_share*jump)`` with ``c``,
     ``per_token`` (the LoRA-off prefill fit) and ``jump`` (the LoRA fit) known; least squares on relative
     residuals, ``prefill_share >= 0`` (above 1 where an adapter costs prefill tokens more than decodes:
     vLLM's CPU LoRA ops gather one copy of the adapter's matrices per token).  With enough prompt
-    lengths, a knee (:func:`_knee`): one share up to ``prefill_knee_tokens`` tokens, ``prefill_share_above``
+    lengths, a knee (:func:`~lora_opt.calibration.knee_fit.fit_knee`): one share up to ``prefill_knee_tokens`` tokens, ``prefill_share_above``
     beyond, when an F-test demands it (on the CPU build the gather's cost per token steps up where it leaves
     the cache).  Params per rank: those profile fields.  None without such rows."""
     rows = _ok(runs, "ttft_lora")
@@ -349,7 +294,7 @@ def fit_lora_prefill(runs: pd.DataFrame, decode: FitResult, prefill: FitResult, 
     c, per_token = max(prefill.extra["ttft_constant_ms"], 0.0), prefill.params["per_token_ms"]
     p, y, ranks = num(rows["probe_prompt_tokens"]), num(rows["probe_ttft_ms"]), num(rows["max_lora_rank"])
     budget = np.nan_to_num(num(rows["max_num_batched_tokens"]), nan=2048.0).astype(int)
-    points: dict[int, _RankPoints] = {}
+    points: dict[int, RankPoints] = {}
     for rank in sorted(set(ranks[np.isfinite(ranks)].astype(int))):
         if rank not in lora.params or lora.params[rank]["jump"] <= 0:
             continue
@@ -357,17 +302,17 @@ def fit_lora_prefill(runs: pd.DataFrame, decode: FitResult, prefill: FitResult, 
         sel = ranks == rank
         known = np.array([_prefill_known(decode.params, int(pi), int(bi)) for pi, bi in zip(p[sel], budget[sel])])
         # the knee is in a step's tokens: a prompt within the token budget is one step
-        points[rank] = _RankPoints(product=np.minimum(p[sel], budget[sel]) * float(rank),
+        points[rank] = RankPoints(product=np.minimum(p[sel], budget[sel]) * float(rank),
                                    a=per_token * (p[sel] - known[:, 1]) * jump,          # what prefill_share multiplies
                                    b=y[sel] - c - known[:, 0] * (1.0 + jump) - per_token * (p[sel] - known[:, 1]),
                                    y=y[sel])
-    knee = _knee(points)
+    knee = fit_knee(points)
     params: dict[int, dict] = {r: {"prefill_share": 1.0} for r in lora.params if r in set(ranks) and r not in points}
     extra: dict[str, Any] = {"knee": None if knee is None else
                              {k: v for k, v in knee.items() if k not in ("sse", "shares")}}
     for rank, q in points.items():
         if knee is None or knee["shares"][rank][0] == knee["shares"][rank][1]:
-            share = _share(q.a, q.b, q.y)[0]
+            share = share_fit(q.a, q.b, q.y)[0]
             params[rank], pred = {"prefill_share": share}, q.y - q.b + q.a * share
         else:
             lo, hi = knee["shares"][rank]
@@ -425,7 +370,7 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
     ``token_ms`` per token it carries, and ``step_ms`` once (:func:`~lora_opt.calibration.step_fit.fit_lora_step_ms`: from windows at several
     batch sizes, else 0).  Points: the LoRA decode windows (B tokens a step: ``step - decode(B, ctx)``) and
     the lone prompts through an adapter (P tokens in its prefill step: ``TTFT - c - known(P) -
-    per_token*(P - chunks)``), less ``step_ms``; one knee in tokens x rank for all ranks as :func:`_knee`
+    per_token*(P - chunks)``), less ``step_ms``; one knee in tokens x rank for all ranks as :func:`~lora_opt.calibration.knee_fit.fit_knee`
     finds it (the gather leaving the cache), else one ``token_ms`` per rank.  Params per rank: the LoRA
     entry's fields."""
     d, c, per_token = decode.params, max(prefill.extra["ttft_constant_ms"], 0.0), prefill.params["per_token_ms"]
@@ -434,22 +379,23 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
     base = d["base_ms"] + d["per_seq_ms"] * b + d["per_ctx_ktoken_ms"] * num(win["probe_ctx_ktokens_mean"])
     p, y_p, r_p = num(lone["probe_prompt_tokens"]), num(lone["probe_ttft_ms"]), num(lone["max_lora_rank"])
     budget = np.nan_to_num(num(lone["max_num_batched_tokens"]), nan=2048.0).astype(int)
-    points: dict[int, _RankPoints] = {}
+    points: dict[int, RankPoints] = {}
     fixed: dict[int, float] = {}
     for rank in sorted(set(r_w[np.isfinite(r_w)].astype(int)) | set(r_p[np.isfinite(r_p)].astype(int))):
         sw, sp = r_w == rank, r_p == rank
         known = np.array([_prefill_known(d, int(pi), int(bi)) for pi, bi in zip(p[sp], budget[sp])]).reshape(-1, 2)
         fixed[rank] = fit_lora_step_ms(b[sw], y_w[sw] - base[sw], y_w[sw])
         # the knee is in a step's tokens (a prompt beyond the budget is several steps); every token pays
-        points[rank] = _RankPoints(product=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]) * float(rank),
+        points[rank] = RankPoints(product=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]) * float(rank),
                                    a=np.concatenate([b[sw], p[sp]]),
                                    b=np.concatenate([y_w[sw] - base[sw], y_p[sp] - c - known[:, 0]
                                                      - per_token * (p[sp] - known[:, 1])]) - fixed[rank],
-                                   y=np.concatenate([y_w[sw], y_p[sp]]))
+                                   y=np.concatenate([y_w[sw], y_p[sp]]),
+                                   step_tokens=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]))
     if not points:
         raise ScenarioError("calibrate: lora_cost per_token needs ok LoRA decode windows or lone prompts through an "
                             f"adapter ({family_status(runs, 'lora')}; {family_status(runs, 'ttft_lora')})")
-    knee = _knee(points)
+    knee = fit_knee(points, "hinge")
     loras = num(win["max_loras"])
     params: dict[int, dict] = {}
     extra: dict[str, Any] = {"knee": None if knee is None else {k: v for k, v in knee.items() if k not in ("sse", "shares")}}
@@ -457,12 +403,12 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
         entry = {"jump": 0.0, "slope": 0.0, "n_sat": math.inf, "prefill_share": 0.0,
                  "ref_max_loras": float(np.median(loras[r_w == rank])) if np.any(r_w == rank) else 1.0}
         if knee is None or knee["shares"][rank][0] == knee["shares"][rank][1]:
-            entry["token_ms"] = _share(q.a, q.b, q.y)[0]
+            entry["token_ms"] = share_fit(q.a, q.b, q.y)[0]
             pred = q.y - q.b + q.a * entry["token_ms"]
         else:
             lo, hi = knee["shares"][rank]
             entry.update(token_ms=lo, prefill_knee_tokens=knee["knee_product"] / rank, token_ms_above=hi)
-            pred = q.y - q.b + q.a * np.where(q.product <= knee["knee_product"], lo, hi)
+            pred = q.y - q.b + q.a * lo + q.beyond(knee["knee_product"] / rank) * (hi - lo)
         if fixed[rank] > 0:
             entry["step_ms"] = fixed[rank]
         params[rank] = entry
