@@ -15,10 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "experiments" / "real_validation" / "cpu" / "validation" / "light-report"
 
 
+#: the profile that run was validated with: the loop's as calibrate wrote it from the probe rows, before the
+#: recalibration (cpu_loop.py keeps it there; configs/profiles/ holds the recalibrated one)
+RUN_PROFILE = ROOT / "experiments" / "real_validation" / "cpu" / "recalibrate" / "profile_before.yaml"
+
+
 @pytest.fixture
 def run(tmp_path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(RUN, dst)
+    for name in ("placement/placement.json", "workload.yaml"):     # the run's own profile, by path
+        f = dst / name
+        f.write_text(f.read_text().replace('"probe-llama-cpu-vllm032"', f'"{RUN_PROFILE}"')
+                     .replace("profile: probe-llama-cpu-vllm032", f"profile: {RUN_PROFILE}"))
     return dst
 
 
