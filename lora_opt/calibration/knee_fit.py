@@ -46,13 +46,12 @@ class RankPoints:
     a: np.ndarray
     b: np.ndarray
     y: np.ndarray
-    #: tokens of each of the point's steps (a prompt beyond the budget is several steps); None = ``a``
-    step_tokens: np.ndarray | None = None
 
-    def beyond(self, knee_tokens: float) -> np.ndarray:
-        """The point's tokens beyond ``knee_tokens`` in each of its steps, summed over its steps."""
-        step = self.a if self.step_tokens is None else self.step_tokens
-        return np.maximum(step - knee_tokens, 0.0) * self.a / step
+    def beyond(self, knee_product: float, rank: int) -> np.ndarray:
+        """The point's tokens beyond the knee in each of its steps (``product / rank`` tokens a step; a
+        prompt beyond the budget is several steps), summed over its steps -- ``a`` counts its tokens."""
+        step = self.product / rank
+        return np.maximum(step - knee_product / rank, 0.0) * self.a / step
 
 
 def fit_knee(points: dict[int, RankPoints], form: str = "step") -> dict | None:
@@ -81,7 +80,7 @@ def fit_knee(points: dict[int, RankPoints], form: str = "step") -> dict | None:
                         share_fit(q.a[~below], q.b[~below], q.y[~below])
                     shares[r], err = (s_lo, s_hi), e_lo + e_hi
                 else:
-                    s_lo, s_hi, err = hinge_fit(q.a, q.beyond(knee / r), q.b, q.y)
+                    s_lo, s_hi, err = hinge_fit(q.a, q.beyond(knee, r), q.b, q.y)
                     shares[r] = (s_lo, s_hi)
                 sse, split = sse + err, split + 1
             else:

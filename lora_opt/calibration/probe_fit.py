@@ -390,8 +390,7 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
                                    a=np.concatenate([b[sw], p[sp]]),
                                    b=np.concatenate([y_w[sw] - base[sw], y_p[sp] - c - known[:, 0]
                                                      - per_token * (p[sp] - known[:, 1])]) - fixed[rank],
-                                   y=np.concatenate([y_w[sw], y_p[sp]]),
-                                   step_tokens=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]))
+                                   y=np.concatenate([y_w[sw], y_p[sp]]))
     if not points:
         raise ScenarioError("calibrate: lora_cost per_token needs ok LoRA decode windows or lone prompts through an "
                             f"adapter ({family_status(runs, 'lora')}; {family_status(runs, 'ttft_lora')})")
@@ -408,7 +407,7 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
         else:
             lo, hi = knee["shares"][rank]
             entry.update(token_ms=lo, prefill_knee_tokens=knee["knee_product"] / rank, token_ms_above=hi)
-            pred = q.y - q.b + q.a * lo + q.beyond(knee["knee_product"] / rank) * (hi - lo)
+            pred = q.y - q.b + q.a * lo + q.beyond(knee["knee_product"], rank) * (hi - lo)
         if fixed[rank] > 0:
             entry["step_ms"] = fixed[rank]
         params[rank] = entry
