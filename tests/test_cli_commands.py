@@ -26,8 +26,8 @@ def _option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 def test_every_command_module_registers_one_command_with_a_run():
     subs = _subparsers(cli.build_parser())
     assert list(subs) == ["simulate", "bench", "calibrate", "calibrate-e2e", "dataset", "train", "place",
-                          "evaluate", "replan", "schedule", "search", "pareto", "fidelity", "emulate", "validate", "ingest", "probe",
-                          "apply"]
+                          "evaluate", "replan", "schedule", "search", "pareto", "fidelity", "error-model", "emulate",
+                          "validate", "ingest", "probe", "apply"]
     for name, p in subs.items():
         run = p.get_default("run")
         assert callable(run) and run.__module__.startswith("lora_opt.cli."), name

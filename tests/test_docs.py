@@ -263,6 +263,13 @@ NOT_RUN_HERE = {
     "ingest validation/ --label h100-run1 --out rows.csv": "needs a validate directory; tests/test_validate.py ingests one",
     "ingest validation/ --out rows.csv": "needs a validate directory; tests/test_validate.py ingests one",
     "fidelity --runs rows.csv": "needs ingested rows; tests/test_validate.py",
+    "place --workload example --gpus 4 --confidence 0.99":
+        "tests/test_confidence.py runs it beside the default confidence (it needs one GPU more)",
+    "evaluate outputs/placement-example --confidence 0.9":
+        "needs the placement place writes; tests/test_confidence.py evaluates one at a confidence",
+    "error-model --out experiments/error_model --models-dir configs/error_models":
+        "rewrites the bundled error models; tests/test_confidence.py (slow) refits into a temporary directory "
+        "and compares",
     "calibrate --runs probe/rows.csv --model probe-llama --out configs/profiles/probe-llama-cpu-vllm032.yaml":
         "rewrites a bundled profile from the CPU server's probe rows; experiments/real_validation/cpu_loop.py runs it",
     "calibrate --runs probe/rows.csv --model llama-3.1-8b-h100-64gb --out configs/profiles/mine.yaml":

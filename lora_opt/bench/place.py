@@ -207,6 +207,36 @@ def case_rows(repeats: int = 3, cases=None) -> list[dict]:
     return rows
 
 
+def example_case(repeats: int = 1) -> dict:
+    """``place`` on the bundled example as the command runs it, at the default confidence (greedy-plus
+    verifying at the derived load, then each GPU's twin capacity for its margin and P(starve)) against
+    the fixed margin 0.1 (the behaviour before confidences), CPU seconds, best of ``repeats`` each,
+    the two measured in the same run, alternating."""
+    from lora_opt.calibration.error_model import DEFAULT_CONFIDENCE
+    from lora_opt.placement.confidence import annotate, resolve_bound
+    from lora_opt.placement.workload_file import load_workload
+
+    wl = load_workload("example")
+    ctx = PlacementContext.for_workload(wl)
+    setting = resolve_bound(ctx.profile.name, None)
+    times: dict[str, list[float]] = {"confidence": [], "fixed": []}
+    gpus = {}
+    get_policy("greedy-plus").place(wl, 4, ctx)              # warm (compiled kernels, surrogate)
+    for _ in range(repeats):
+        for kind in ("fixed", "confidence"):
+            t = time.process_time()
+            if kind == "fixed":
+                p = get_policy("greedy-plus", margin=0.1).place(wl, 4, ctx)
+            else:
+                p = get_policy("greedy-plus", confidence=DEFAULT_CONFIDENCE).place(wl, 4, ctx)
+                annotate(p, wl, setting)
+            times[kind].append(time.process_time() - t)
+            gpus[kind] = len(p.gpus)
+    best = {k: min(v) for k, v in times.items()}
+    return {"confidence": DEFAULT_CONFIDENCE, "confidence_cpu_s": best["confidence"], "fixed_cpu_s": best["fixed"],
+            "ratio": best["confidence"] / best["fixed"], "gpus": gpus, "repeats": repeats}
+
+
 def _ms(x) -> str:
     return "-" if x is None else (f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s")
 
@@ -236,6 +266,12 @@ def place_lines(doc: dict) -> list[str]:
               f"(target <= {s['rss_target_mb']:,} MB; the whole bench process)")
     for note in s["notes"]:
         lines.append(f"note: {note}")
+    if doc.get("example"):
+        e = doc["example"]
+        lines.append(f"place on the bundled example (greedy-plus, CPU time, best of {e['repeats']}): at confidence "
+                     f"{e['confidence']:g} {_ms(e['confidence_cpu_s'])} ({e['gpus']['confidence']} GPUs, with each GPU's "
+                     f"capacity replay), fixed margin 0.1 {_ms(e['fixed_cpu_s'])} ({e['gpus']['fixed']} GPUs): "
+                     f"{e['ratio']:.2f}x (target <= 1.5x)")
     lines.append("assign = the algorithm (order, oracle questions, packing); place = assign + per-GPU flags, "
           "placement, checker and start-up checks.")
     return lines
@@ -245,7 +281,7 @@ def bench_place(out: str | None = None, repeats: int = 3, sizes=SCALING_SIZES) -
     """``lora-opt bench place``: the cases table and the scaling table (see the module docstring)."""
     t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     doc = {"benchmark": "place", "repeats": repeats, "cases": case_rows(repeats),
-           "scaling": scaling_rows(sizes, repeats=repeats),
+           "scaling": scaling_rows(sizes, repeats=repeats), "example": example_case(min(repeats, 2)),
            "machine": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
                        "load_average_1min_at_start": load0}}
     doc["bench_wall_s"], doc["bench_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0

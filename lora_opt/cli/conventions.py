@@ -93,6 +93,19 @@ SEED = int_range(0, MAX_SEED)
 GPUS = int_range(1, MAX_GPUS)
 WORKERS = int_range(1, MAX_WORKERS)
 FRACTION = finite_float(0.0, 1.0, lo_open=True)          # rho, attainment: (0, 1]
+
+
+def _confidence(text: str) -> float:
+    x = finite_float(0.0, 1.0, lo_open=True)(text)
+    if x >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1) (a probability below 1: no finite set of runs "
+                                         f"supports certainty), got {text}")
+    return x
+
+
+_confidence.__name__ = "probability"
+#: --confidence: a probability in the open interval (0, 1)
+CONFIDENCE = _confidence
 POSITIVE_MS = finite_float(0.0, 1e9, lo_open=True)       # latency targets
 POSITIVE_S = finite_float(0.0, MAX_SECONDS, lo_open=True)
 NONNEGATIVE_S = finite_float(0.0, MAX_SECONDS)

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lora_opt.cli.conventions import (NONNEGATIVE_S, POSITIVE_S, SEED, add_fleet_flags, add_ray_flags, add_tracking_flag,
+from lora_opt.cli.conventions import (CONFIDENCE, NONNEGATIVE_S, POSITIVE_S, SEED, add_fleet_flags, add_ray_flags, add_tracking_flag,
                                       finite_float, show_progress)
 from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
 from lora_opt.io import atomic_write_json
@@ -39,6 +39,11 @@ def register(sub) -> None:
     ev.add_argument("--grace-s", type=NONNEGATIVE_S,
                     help="starvation verdict ignores requests arriving this close to the end (default "
                          f"{GRACE_DEFAULT_S:g}; 0 = benchmark_serving's definition; below --duration-s)")
+    ev.add_argument("--confidence", type=CONFIDENCE,
+                    help="also judge each GPU at this confidence, in (0, 1): the twin's capacity for it, its margin and "
+                         "probability of starving from the profile's error model; a GPU whose margin at C is below "
+                         "rho - 1 makes the placement not acceptable (exit 3)")
+    ev.add_argument("--error-model", metavar="FILE", help="error model YAML for --confidence (default: the profile's bundled one)")
     ev.add_argument("--json", action="store_true", help="print the evaluation as one JSON object")
     ev.add_argument("--out", help="also write the evaluation JSON here")
     add_tracking_flag(ev)
@@ -72,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
         fleet = FleetOptions(args.router, args.adapters, **scrape)
         ev = evaluate_on_fleet(p, wl, fleet, grace_s=grace_s)
     code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
+    if args.confidence is not None:
+        from lora_opt.placement.confidence import annotate, at_confidence, resolve_bound
+        from twin.profile import load_profile
+
+        annotate(p, wl, resolve_bound(load_profile(p.profile).name, args.confidence, args.error_model))
+        ev["at_confidence"] = at_confidence(p, wl.rho)
+        if ev["at_confidence"]["gpus_below"]:
+            code = EXIT_NOT_ACCEPTABLE
     if args.out:
         atomic_write_json(args.out, ev, indent=1)
     log_command_run("evaluate", f"{wl.name} ({p.policy})", params={"placement": args.placement, "workload": wl.name,
@@ -89,8 +102,16 @@ def run(args: argparse.Namespace) -> int:
               f", {wl.evaluation.duration_s:,.0f} s, rho {wl.rho}"
               + (f"; fleet: router {args.router}, adapters {args.adapters}" if "router" in ev else ""))
         print(evaluation_table(ev))
+        if "at_confidence" in ev:
+            from lora_opt.placement.report import confidence_notes, confidence_table
+            print(f"at confidence {args.confidence:g} (the twin's capacity per GPU and the error model):")
+            print(confidence_table(p))
+            for note in confidence_notes(p)[:2]:
+                print(f"  {note}")
         if code != EXIT_OK:
-            problems = [f"{ev['gpus_starving']} GPU(s) starving" if ev["gpus_starving"] else "",
+            below = ev.get("at_confidence", {}).get("gpus_below")
+            problems = [f"GPU(s) {below} below rho at confidence {args.confidence:g}" if below else "",
+                        f"{ev['gpus_starving']} GPU(s) starving" if ev["gpus_starving"] else "",
                         f"{ev['gpus_failing_startup']} GPU(s) failing to start" if ev["gpus_failing_startup"] else "",
                         f"{ev['unrouted_requests']:,} requests unserved" if ev.get("unrouted_requests") else ""]
             print(f"NOT ACCEPTABLE: {', '.join(x for x in problems if x)} (exit status {code})")

@@ -11,9 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from lora_opt.cli.conventions import GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float, show_progress
+from lora_opt.cli.conventions import CONFIDENCE, GPUS, NONNEGATIVE_S, POSITIVE_S, finite_float, show_progress
 from lora_opt.placement.policies import DEFAULT_POLICY, ORACLE_FILES, POLICIES
 from lora_opt.placement.router_config import ROUTER_CONFIGS
+
+#: spelled here so that --help needs no import of the calibration stage (start-up time); tests check it
+DEFAULT_CONFIDENCE = 0.9
 
 
 def register(sub) -> None:
@@ -35,7 +38,16 @@ def register(sub) -> None:
     pl.add_argument("--model", help="model for vllm serve (default: the profile's model)")
     pl.add_argument("--surrogate", help="surrogate directory, or a registered version: models:/lora-opt-starvation@champion, "
                                         "models:/NAME/VERSION (default: the bundled one for the profile)")
-    pl.add_argument("--margin", type=finite_float(0.0, 1.0), help="greedy-plus: capacity headroom over the expected load (default 0.1)")
+    pl.add_argument("--confidence", type=CONFIDENCE,
+                    help=f"decide at this confidence, in (0, 1): greedy-plus verifies each GPU at the load the "
+                         f"profile's error model derives for it, and the table gives each GPU's margin and probability "
+                         f"of starving (default {DEFAULT_CONFIDENCE:g} where the profile has an error model -- "
+                         "configs/error_models/ -- else the fixed --margin)")
+    pl.add_argument("--error-model", metavar="FILE", help="error model YAML (lora-opt error-model) instead of the "
+                                                          "profile's bundled one")
+    pl.add_argument("--margin", type=finite_float(0.0, 1.0),
+                    help="greedy-plus: a fixed capacity headroom over the expected load instead of --confidence "
+                         "(default 0.1 for a profile without an error model)")
     pl.add_argument("--verify-s", type=NONNEGATIVE_S, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
     pl.add_argument("--ttft-p99-s", type=POSITIVE_S, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
     pl.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
@@ -66,9 +78,18 @@ def run(args: argparse.Namespace) -> int:
         from lora_opt.errors import InputError
         from lora_opt.placement.vllm_launch import resolve_vllm_version
         resolve_vllm_version(args.vllm_version, error=InputError)
+    from lora_opt.placement.confidence import resolve_bound
+    from twin.profile import load_profile
+
+    setting = resolve_bound(load_profile(wl.profile).name, args.confidence, args.error_model,
+                            margin_given=args.margin is not None)
+    opts = _policy_options(args)
+    if setting.bound is not None and args.policy == "greedy-plus":
+        opts.update(confidence=setting.confidence, error_model=args.error_model)
     return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
-                     surrogate=args.surrogate, policy_options=_policy_options(args), as_json=args.json,
-                     history=args.history, vllm_version=args.vllm_version, emit_router=args.emit_router)
+                     surrogate=args.surrogate, policy_options=opts, as_json=args.json,
+                     history=args.history, vllm_version=args.vllm_version, emit_router=args.emit_router,
+                     confidence=setting)
 
 
 def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm: bool, model: str | None,
@@ -77,10 +98,11 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
     verdict (or one JSON object); the verdict's exit status.  ``launch``: ``vllm_version`` (the
     release the vllm serve commands are written for) and ``emit_router`` (``--emit-router``)."""
-    unknown = set(launch) - {"vllm_version", "emit_router"}
+    unknown = set(launch) - {"vllm_version", "emit_router", "confidence"}
     if unknown:
         raise TypeError(f"run_place: unknown launch option(s) {sorted(unknown)}")
     vllm_version, emit_router = launch.get("vllm_version"), launch.get("emit_router")
+    setting = launch.get("confidence")
     from lora_opt.placement.policies import PlacementContext, get_policy
     from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK
     from lora_opt.placement.report import clean_outputs, placement_table, table_notes, verdict, write_outputs
@@ -93,6 +115,9 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
         wl, log, span = load_request_log(wl, history)
     ctx = PlacementContext.for_workload(wl, surrogate, history=log, history_s=span if history else 0.0)
     p = policy.place(wl, gpus, ctx)
+    if setting is not None and p.meta.get("feasible"):
+        from lora_opt.placement.confidence import annotate
+        annotate(p, wl, setting)          # each GPU's margin and probability of starving at the confidence
     code, message = verdict(p)
     out_path = Path(out_dir or f"outputs/placement-{wl.name or 'workload'}")
     written = []

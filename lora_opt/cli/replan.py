@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from lora_opt.cli.conventions import NONNEGATIVE_S, POSITIVE_S, finite_float
+from lora_opt.cli.conventions import CONFIDENCE, NONNEGATIVE_S, POSITIVE_S, finite_float
 from lora_opt.placement.policies import ORACLE_FILES
 
 #: the cost flags' range (GPU-equivalents)
@@ -33,16 +33,25 @@ def add_replan_flags(p: argparse.ArgumentParser) -> None:
                    help="never empty and stop a running instance to save a GPU")
     p.add_argument("--surrogate", help="surrogate directory or registered version (default: the bundled one)")
     p.add_argument("--margin", type=finite_float(0.0, 1.0), help="greedy-plus: capacity headroom over the load (default 0.1)")
+    p.add_argument("--confidence", type=CONFIDENCE,
+                   help="greedy-plus: verify each GPU at the load the profile's error model derives for this confidence, "
+                        "in (0, 1), instead of the fixed --margin (as place does; default: the fixed margin)")
+    p.add_argument("--error-model", metavar="FILE", help="error model YAML for --confidence (default: the profile's bundled one)")
     p.add_argument("--verify-s", type=NONNEGATIVE_S, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
     p.add_argument("--ttft-p99-s", type=POSITIVE_S, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
     p.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
 
 
-def policy_from_flags(args: argparse.Namespace):
-    """greedy-plus with the flags given (its GPU test is what replan judges instances with)."""
+def policy_from_flags(args: argparse.Namespace, profile_name: str):
+    """greedy-plus with the flags given (its GPU test is what replan judges instances with); with
+    --confidence, verifying at the load the profile's error model derives (refused beside --margin)."""
+    from lora_opt.placement.confidence import resolve_bound
     from lora_opt.placement.policies import get_policy
 
     opts = {k: getattr(args, k) for k in ("margin", "verify_s", "ttft_p99_s", "oracle") if getattr(args, k) is not None}
+    if args.confidence is not None:
+        resolve_bound(profile_name, args.confidence, args.error_model, margin_given=args.margin is not None)
+        opts.update(confidence=args.confidence, error_model=args.error_model)
     return get_policy("greedy-plus", **opts)
 
 
@@ -85,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     current = Placement.load(args.current)
     wl = load_workload(args.workload) if args.workload else history_workload(current, args.history)
     costs = ReplanCosts(args.move_cost, args.restart_cost)
-    policy = policy_from_flags(args)
     ctx = PlacementContext.for_workload(wl, args.surrogate)
+    policy = policy_from_flags(args, ctx.profile.name)
     r = replan(current, wl, policy, ctx, costs=costs, consolidate=not args.no_consolidate,
                scratch=not args.no_scratch, host=args.host, base_port=args.base_port)
     code, message = verdict(r.placement)

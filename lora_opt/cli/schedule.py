@@ -61,13 +61,14 @@ def run(args: argparse.Namespace) -> int:
         name = workloads[0].name or "workloads"
     out = Path(args.out or f"outputs/schedule-{name}")
     out.mkdir(parents=True, exist_ok=True)
-    policy = policy_from_flags(args)
     contexts: dict = {}
 
     def ctx_for(wl):          # one context (profile, surrogate) per profile
         if wl.profile not in contexts:
             contexts[wl.profile] = PlacementContext.for_workload(wl, args.surrogate)
         return contexts[wl.profile]
+
+    policy = policy_from_flags(args, ctx_for(workloads[0]).profile.name)
 
     def on_step(row, placement, plan):
         d = out / "steps" / f"step-{row.step:03d}"

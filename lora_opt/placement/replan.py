@@ -479,7 +479,7 @@ def target_placement(c: Candidate, wl: Workload, policy: GreedyPlus, current: Pl
         for i, w in it.adapters:
             routes.setdefault(wl.adapters[i].id, []).append((g, w))
     n = len(insts)
-    verified = 1.0 + policy.margin if policy.verify_s > 0 else None
+    verified = policy.verify_load if policy.verify_s > 0 else None
     meta = {"workload": wl.name, "rho": wl.rho, "gpus_pool": max(n, 1), "gpus_used": n if not c.unplaceable else None,
             "gpus_needed": n, "feasible": not c.unplaceable,
             "unplaceable": [wl.adapters[i].id for i in c.unplaceable],

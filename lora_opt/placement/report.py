@@ -47,9 +47,54 @@ def _ranks(adapters) -> str:
     return " ".join(f"r{r}x{n}" for r, n in sorted(c.items(), reverse=True))
 
 
-def placement_table(p: Placement) -> str:
-    """GPU, adapters, ranks, A_max, max rank, incoming and predicted throughput, margin."""
+def _risk_cell(risk: float | None, exact: bool) -> str:
+    if risk is None:
+        return "-"
+    return ("" if exact else "<= ") + (f"{risk:.1%}" if risk < 0.1 else f"{risk:.0%}").replace("%", " %")
+
+
+def confidence_table(p: Placement) -> str:
+    """GPU, adapters, ranks, A_max, max rank, incoming rate, the twin's capacity, margin at C, P(starve)."""
     m = p.meta
+    c = m["confidence"]["confidence"]
+    head_m, head_p = f"margin@{c:g}", "P(starve)"
+    lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
+             f"{'cap tok/s':>10} {head_m:>11} {head_p:>10}"]
+    failing = set(m.get("gpus_failing_startup", []))
+    on_gpu = p.by_gpu()
+    for i, g in enumerate(p.gpus):
+        ads = [p.adapters[k] for k, _ in on_gpu[i]]
+        cap, exact = m["twin_capacity_tok_s"][i], m["twin_capacity_exact"][i]
+        mar = m["margin_at_confidence"][i]
+        cap_cell = "-" if cap is None else ("" if exact else ">=") + f"{cap:.0f}"
+        mar_cell = "-" if mar is None else ("" if exact else ">= ") + f"{mar:+.0%}".replace("%", " %")
+        lines.append(f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8} "
+                     f"{m['incoming_rate_req_s'][i]:>7.2f} {cap_cell:>10} {mar_cell:>11} "
+                     f"{_risk_cell(m['p_starve'][i], exact):>10}" + ("   would not start (OOM)" if i in failing else ""))
+    return "\n".join(lines)
+
+
+def confidence_notes(p: Placement) -> list[str]:
+    """What the confidence table's columns mean."""
+    c = p.meta["confidence"]
+    notes = [f"cap tok/s = the twin's capacity for the GPU (its throughput replayed at 2x-8x its load; '>=' = not "
+             f"saturated even at 8x); margin@{c['confidence']:g} = the real capacity's lower bound at confidence "
+             f"{c['confidence']:g} (the twin's capacity x {c['capacity_ratio_bound']:.3f}) over the GPU's expected load, "
+             f"- 1: the GPU starves below {margin_cell(MARGIN_STARVING)}",
+             f"P(starve) = estimated probability that the real server serves < rho x the GPU's load (conformal, from "
+             f"{c['n']} held-apart real runs, {c['samples']}; never below 1/(n+1) = {1 / (c['n'] + 1):.1%})".replace("%)", " %)") + "; "
+             f"error model {c['error_model']}",
+             "the surrogate's margin and the twin's verification load per GPU are in placement.json "
+             "(starvation_margin, twin_verified_at_load)"]
+    return notes
+
+
+def placement_table(p: Placement) -> str:
+    """GPU, adapters, ranks, A_max, max rank, incoming and predicted throughput, margin (or, for a
+    placement judged at a confidence, the twin's capacity, margin at C and P(starve))."""
+    m = p.meta
+    if m.get("p_starve") is not None and m.get("confidence"):
+        return confidence_table(p)
     lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
              f"{'pred tok/s':>10} {'margin':>9} {'twin':>10}"]
     failing = set(m.get("gpus_failing_startup", []))
@@ -75,6 +120,8 @@ def _per_gpu(p: Placement, key: str) -> list:
 def table_notes(p: Placement) -> list[str]:
     """What the table's columns mean, for the values this table shows (each note agrees with the
     signs and dashes printed above it)."""
+    if p.meta.get("p_starve") is not None and p.meta.get("confidence"):
+        return confidence_notes(p)
     thr, mar = _per_gpu(p, "predicted_throughput"), _per_gpu(p, "starvation_margin")
     ver = _per_gpu(p, "twin_verified_at_load")
     shown = [m for m in mar if m is not None]

@@ -54,21 +54,20 @@ import numpy as np
 from tqdm import tqdm
 
 import twin
+from lora_opt.calibration.error_model import check_confidence
+from lora_opt.placement.confidence import resolve_bound
 from lora_opt.placement.evaluate import GRACE_S, Criterion
 from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
                                               gpu_config)
 from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
 from lora_opt.placement.workload_file import Workload, scenario_adapters
-from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, FEATURES
+from lora_opt.placement.policies.segments import SURROGATE_MAX_ADAPTERS, TESTING_POINTS, Segments
+from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST
 from twin.errors import ScenarioError
 from twin.parsing import check_finite
 from twin.scenario import build_scenario
 from twin.workload import Requests
 
-TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384)
-#: the largest adapter count (and A_max) per GPU the surrogates were trained on; larger segments
-#: are described to them as this many (a random forest's answer for any larger count)
-SURROGATE_MAX_ADAPTERS = TESTING_POINTS[-1]
 #: testing points past the last one, every this many adapters (see Greedy)
 EXTRA_TESTING_STEP = 64
 #: and the smallest (smaller segments are asked as this many, the extra ones idle)
@@ -86,49 +85,6 @@ MARGIN_GRID = np.round(np.arange(0.5, 3.0001, 0.025), 4)
 MARGIN_CHUNK = 32
 #: testing points a GPU's first oracle call covers in greedy (then twice as many per call)
 GPU_CHUNK_ENDS = 8
-
-
-class Segments:
-    """Features of contiguous segments [s, s+n) of adapters in priority order, from prefix sums."""
-
-    def __init__(self, ranks, rates, tokens_per_request: float = DEFAULT_TOKENS_PER_REQUEST):
-        self.ranks = np.asarray(ranks, float)
-        self.rates = np.asarray(rates, float)
-        if np.any(np.diff(self.ranks) > 0):
-            raise ValueError("Segments: ranks must be non-increasing (priority order)")
-        z = np.zeros(1)
-        self.q1 = np.concatenate([z, np.cumsum(self.rates)])
-        self.q2 = np.concatenate([z, np.cumsum(self.rates ** 2)])
-        self.r1 = np.concatenate([z, np.cumsum(self.ranks)])
-        self.r2 = np.concatenate([z, np.cumsum(self.ranks ** 2)])
-        self.tpr = tokens_per_request
-
-    def rows(self, s: int, n, amax, load=1.0, pad_to: int = 0, n_cap: int = SURROGATE_MAX_ADAPTERS) -> np.ndarray:
-        """Feature rows (FEATURES order) for segments [s, s+n) with A_max ``amax`` at ``load``
-        x the expected rates (arrays broadcast).  ``pad_to``: segments of fewer adapters are
-        described as that many, the extra ones idle (rate 0) at the segment's max rank and A_max
-        raised to match -- the surrogates never saw fewer than 8 adapters, and idle adapters add
-        no load (so the padded question is the conservative one).  ``n_cap``: the adapter-count
-        feature is clipped there (rates and ranks still describe the whole segment)."""
-        n = np.asarray(n, np.int64)
-        e = s + n
-        r_max = self.ranks[s]
-        pad = np.maximum(pad_to - n, 0).astype(float)
-        nf = n.astype(float) + pad
-        qs = self.q1[e] - self.q1[s]
-        qm = qs / nf
-        qstd = np.sqrt(np.maximum((self.q2[e] - self.q2[s]) / nf - qm * qm, 0.0))
-        rm = (self.r1[e] - self.r1[s] + pad * r_max) / nf
-        rstd = np.sqrt(np.maximum((self.r2[e] - self.r2[s] + pad * r_max ** 2) / nf - rm * rm, 0.0))
-        # prefix-sum variances cancel to ~1e-7 absolute; a lone adapter's spread is exactly 0
-        qstd = np.where(nf > 1, qstd, 0.0)
-        rstd = np.where(nf > 1, rstd, 0.0)
-        load = np.asarray(load, float)
-        amax = np.maximum(np.asarray(amax, float), np.minimum(nf, pad_to) if pad_to else 0.0)
-        cols = np.broadcast_arrays(np.minimum(nf, n_cap), qs * load, qstd * load, np.full_like(nf, r_max), rm, rstd,
-                                   np.minimum(amax, n_cap), qs * load * self.tpr)
-        X = np.stack(cols, axis=-1).astype(np.float64)
-        return X.reshape(-1, len(FEATURES))
 
 
 def _testing_ends(remaining: int, start: int = 0, count: int | None = None) -> list[int]:
@@ -290,7 +246,8 @@ class GreedyPlus(_GreedyBase):
 
     def __init__(self, margin: float = 0.10, oracle: str | None = None, verify_s: float = 900.0,
                  ttft_p99_s: float | None = 5.0, max_adapters: int = 2048, balance: bool = True,
-                 criterion=None, progress: bool = False):
+                 criterion=None, progress: bool = False, confidence: float | None = None,
+                 error_model: str | None = None):
         if not isinstance(max_adapters, int) or max_adapters < 1:
             raise ScenarioError(f"max_adapters: must be an integer >= 1, got {max_adapters!r}")
         #: adapters per GPU at most: beyond the surrogates' 384 only with twin verification
@@ -321,10 +278,31 @@ class GreedyPlus(_GreedyBase):
         self.twin_calls = 0
         self.margin = margin
         self.verify_s = verify_s
-        #: the oracle is asked at this x the expected load: capacity >= (1 + margin) x load
-        self.load_factor = (1.0 + margin) / SURROGATE_RHO
+        #: decisions at a stated confidence (``lora_opt.placement.confidence``): the twin verifies each
+        #: GPU at 1 / (the error model's capacity-ratio bound at C) x its load instead of 1 + margin;
+        #: resolved against the profile on first use (``prepare``).  None: the fixed margin.
+        self.confidence = None if confidence is None else check_confidence(confidence, "confidence")
+        #: the error model file behind ``confidence`` (default: the profile's bundled one)
+        self.error_model = error_model
+        #: what ``prepare`` resolved (``ConfidenceSetting``), None before it ran or without a confidence
+        self.confidence_setting = None
+        self._set_verify_load(1.0 + margin)
         if oracle is not None:
             self.oracle_kind = oracle
+
+    def _set_verify_load(self, load: float) -> None:
+        #: the twin verifies a GPU at this x its expected load (1 + margin, or derived from the confidence)
+        self.verify_load = float(load)
+        #: the oracle is asked at this x the expected load: capacity >= verify_load x load
+        self.load_factor = self.verify_load / SURROGATE_RHO
+
+    def prepare(self, ctx: PlacementContext) -> None:
+        """Resolves ``confidence`` against the context's profile into the verification load (once)."""
+        if self.confidence is None or self.confidence_setting is not None:
+            return
+        setting = resolve_bound(ctx.profile.name, self.confidence, self.error_model)
+        self.confidence_setting = setting
+        self._set_verify_load(setting.bound.verification_load)
 
     def _twin_ok(self, wl: Workload, ctx: PlacementContext, idx, amax: int, cfg=None) -> bool:
         """The twin's verdict on one GPU at (1 + margin) x its load: it starts, does not starve and
@@ -336,7 +314,8 @@ class GreedyPlus(_GreedyBase):
         ads = [wl.adapters[i] for i in idx]
         cfg = cfg or gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
         criterion = self.criterion or Criterion(rho=wl.rho)
-        f = 1.0 + self.margin
+        self.prepare(ctx)
+        f = self.verify_load
         duration_s, requests = self.verify_s, None
         if ctx.history is not None:
             h = ctx.history
@@ -414,6 +393,7 @@ class GreedyPlus(_GreedyBase):
         return m
 
     def assign(self, wl: Workload, gpus: int, ctx: PlacementContext) -> Assignment:
+        self.prepare(ctx)
         oracle = ctx.oracle(self.oracle_kind)
         ranks_all = np.array([a.rank for a in wl.adapters])
         rates_all = np.array([a.rate for a in wl.adapters], float)
@@ -469,14 +449,17 @@ class GreedyPlus(_GreedyBase):
                 if parts:
                     packed = parts
                     break
-        verified = 1.0 + self.margin if self.verify_s > 0 else None
+        verified = self.verify_load if self.verify_s > 0 else None
         margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _ in packed])
         for (s, n, amax, thr), margin in zip(packed, margins):
             out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin, verified))
         if self.verify_s > 0:
             what = (f"the observed {ctx.history_s:g} s of traffic" if ctx.history is not None
                     else f"{self.verify_s:g} s of Poisson traffic")
-            notes.append(f"twin verification: {self.twin_calls} simulations of {what} at {1 + self.margin:g}x load")
+            how = (f"{self.verify_load:.3f}x load, derived from the confidence: "
+                   + self.confidence_setting.bound.describe() if self.confidence_setting is not None
+                   else f"{self.verify_load:g}x load (the fixed margin {self.margin:g})")
+            notes.append(f"twin verification: {self.twin_calls} simulations of {what} at {how}")
         return Assignment(out, sorted(unplaceable), notes)
 
     def _verified(self, wl, ctx, oracle, seg, order, s: int, n: int, mem_cap: int):
@@ -502,6 +485,7 @@ class GreedyPlus(_GreedyBase):
         ads = [wl.adapters[i] for i in idx]
         if not ads:
             return True
+        self.prepare(ctx)
         if cfg is not None and max(a.rank for a in ads) > cfg.max_lora_rank:
             return False                  # vLLM refuses to load it
         if cfg is not None and self.verify_s > 0:
@@ -519,6 +503,7 @@ class GreedyPlus(_GreedyBase):
     def gpu_choice(self, wl: Workload, ctx: PlacementContext, idx) -> int | None:
         """The A_max (``--max-loras``) ``place`` chooses for one GPU serving the adapters ``idx``
         (non-empty), its own test passed; None if the GPU fails it at every A_max."""
+        self.prepare(ctx)
         ranks = np.array([wl.adapters[i].rank for i in idx])
         order = np.asarray(idx)[priority_order(ranks, np.array([wl.adapters[i].rate for i in idx], float))]
         seg = Segments([wl.adapters[i].rank for i in order], [wl.adapters[i].rate for i in order])
