@@ -113,7 +113,12 @@ def test_every_bundled_gpu_profile_has_an_error_model_fitted_on_its_report_half(
         assert m is not None and m.path == f"configs/error_models/{prof}.yaml"
         assert len(m.samples(prof)) >= 30 and len(m.samples(POOLED)) >= 99      # C 0.9 own, 0.99 pooled
         assert "report half" in m.fitted_on
-    assert bundled_error_model("probe-llama-cpu-vllm032") is None
+    cpu = bundled_error_model("probe-llama-cpu-vllm032")       # the real CPU vLLM's, from its committed sittings
+    assert cpu is not None and "sittings" in cpu.fitted_on and set(cpu.capacity_ratio) == {"probe-llama-cpu-vllm032"}
+    from lora_opt.tracking import profile_info
+    for prof in ("llama-3.1-8b-h100-64gb", "qwen-2.5-7b-h100-64gb", "llama-2-7b-h100-64gb", "probe-llama-cpu-vllm032"):
+        assert bundled_error_model(prof).meta["profile_sha256"] == profile_info(prof)[1], \
+            f"{prof}: the profile changed since its error model was fitted: refit it"
 
 
 def _synthetic_runs():
@@ -192,10 +197,19 @@ def test_bad_confidence_is_a_clear_error(tmp_path, capsys, args, match):
 
 
 def test_a_profile_without_error_model_refuses_an_explicit_confidence(tmp_path, capsys):
-    wl = write(tmp_path, SMALL.replace("llama-3.1-8b-h100-64gb", "probe-llama-cpu-vllm032"))
+    from twin.paths import PROFILES_DIR
+
+    # a recalibrated profile (another file) is another twin: the bundled error model does not apply to it
+    prof = tmp_path / "recalibrated.yaml"
+    prof.write_text((PROFILES_DIR / "llama-3.1-8b-h100-64gb.yaml").read_text() + "\n# recalibrated\n")
+    wl = write(tmp_path, SMALL.replace("llama-3.1-8b-h100-64gb", str(prof)))
     rc = main(["place", "--workload", wl, "--gpus", "2", "--confidence", "0.9", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert rc == 2 and "has no error model (configs/error_models/probe-llama-cpu-vllm032.yaml" in err
+    assert rc == 2 and "has no error model (configs/error_models/llama-3.1-8b-h100-64gb.yaml was fitted for the " \
+                       "profile file with sha256" in err
+    rc = main(["place", "--workload", wl, "--gpus", "2", "--out", str(tmp_path / "o")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "P(starve)" not in text and "fixed margin 0.1" in text       # the default falls back
     bad = write(tmp_path, "capacity_ratio: []\n", "em.yaml")
     rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--error-model", bad,
                "--out", str(tmp_path / "o")])

@@ -502,3 +502,45 @@ def test_admission_per_gpu_follows_each_endpoints_version_and_max_model_len(plac
                                     "version_from": "profile llama-3.1-8b-h100-64gb", "clamps_max_tokens": False,
                                     "clamped": 0, "refused": 2}
     assert (info["clamped"], info["refused"]) == (1, 3)
+
+
+def test_repeats_measure_the_server_against_itself(placement_dir, tmp_path):
+    """validate --repeats 2 on an emulated fleet: two replays of the same requests, the spread between
+    them beside the twin's distance to their median, the one verdict rule applied per metric."""
+    base = _two_ports()
+    fleet = _fleet(placement_dir, base, 10)
+    try:
+        endpoints = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+        r = _validate(placement_dir, endpoints, tmp_path / "out", "--duration", "15", "--repeats", "2", "--no-track")
+    finally:
+        fleet.stop()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "repeat 2/2" in r.stdout and "real vs real" in r.stdout
+    assert "within the noise" in r.stdout or "outside the noise" in r.stdout
+    noise = json.loads((tmp_path / "out" / "noise.json").read_text())
+    assert noise["repeats"] == 2 and noise["gpus"] == ["0", "1"]
+    for k in (1, 2):
+        assert (tmp_path / "out" / f"repeat-{k}" / "real.json").is_file()
+    thr = noise["per_metric"]["throughput_tok_s"]
+    assert thr["real_vs_real_smape"] >= 0 and thr["within_noise"] in (True, False)
+    g0 = noise["per_gpu"]["0"]["throughput_tok_s"]
+    assert len(g0["real"]) == 2 and g0["real_min"] <= g0["real_median"] <= g0["real_max"]
+
+
+def test_repeats_below_two_are_refused(placement_dir, tmp_path):
+    r = _validate(placement_dir, ["http://127.0.0.1:9"], tmp_path / "out", "--repeats", "1")
+    assert r.returncode == 2 and "--repeats: must be an integer >= 2" in r.stderr
+
+
+def test_the_noise_verdict_rule():
+    from lora_opt.validate.repeats import NOISE_FACTOR, noise_table, verdict
+    assert verdict(12.5, 10.0) and not verdict(12.6, 10.0) and verdict(0.0, 0.0) and not verdict(0.1, 0.0)
+    assert verdict(float("nan"), 1.0) is None and NOISE_FACTOR == 1.25
+    comp = lambda real, twin: {"real": {"0": {"m": real}}, "twin": {"0": {"m": twin}}}   # noqa: E731
+    t = noise_table([comp(100.0, 104.0), comp(110.0, 104.0), comp(90.0, 104.0)])
+    e = t["per_gpu"]["0"]["m"]
+    assert e["real_median"] == 100.0 and e["real_min"] == 90.0 and e["real_max"] == 110.0
+    # pairwise SMAPEs 9.5, 10.5, 20.0 -> median 10.5; the twin 4 % from the median: within
+    assert e["real_vs_real_smape"] == pytest.approx(100 * 10 / 95) and e["within_noise"] is True
+    with pytest.raises(ValueError, match="at least 2"):
+        noise_table([comp(1.0, 1.0)])

@@ -28,9 +28,11 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from lora_opt.calibration.error_model import DEFAULT_CONFIDENCE
 from lora_opt.io import atomic_write_json
+from lora_opt.placement.confidence import annotate, resolve_bound
 from lora_opt.placement.policies import PlacementContext, get_policy
-from lora_opt.placement.workload_file import workload_from_dict
+from lora_opt.placement.workload_file import load_workload, workload_from_dict
 from lora_opt.surrogates.oracle import Oracle
 
 #: adapters per GPU of the pool in the scaling table (the pool is never the limit: ~190 fit)
@@ -212,13 +214,9 @@ def example_case(repeats: int = 1) -> dict:
     verifying at the derived load, then each GPU's twin capacity for its margin and P(starve)) against
     the fixed margin 0.1 (the behaviour before confidences), CPU seconds, best of ``repeats`` each,
     the two measured in the same run, alternating."""
-    from lora_opt.calibration.error_model import DEFAULT_CONFIDENCE
-    from lora_opt.placement.confidence import annotate, resolve_bound
-    from lora_opt.placement.workload_file import load_workload
-
     wl = load_workload("example")
     ctx = PlacementContext.for_workload(wl)
-    setting = resolve_bound(ctx.profile.name, None)
+    setting = resolve_bound(ctx.profile, None)
     times: dict[str, list[float]] = {"confidence": [], "fixed": []}
     gpus = {}
     get_policy("greedy-plus").place(wl, 4, ctx)              # warm (compiled kernels, surrogate)

@@ -27,6 +27,7 @@ from lora_opt.calibration.replay import select_runs
 from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.parallel import run_scenarios
+from lora_opt.tracking import profile_info
 from twin.errors import ScenarioError
 
 #: the confidences the report tabulates
@@ -123,7 +124,9 @@ def fit_models(df) -> dict[str, ErrorModel]:
     models = {}
     for prof, g in df.groupby("profile"):
         own = obs[obs["profile"] == prof]["capacity_ratio"].tolist()
+        info = profile_info(prof)
         models[prof] = ErrorModel(profile=prof, capacity_ratio={prof: own, POOLED: pooled},
+                                  meta={"profile_sha256": info[1] if info else None},
                                   fitted_on=(f"report half of the bundled real runs ({realruns.REAL_RUNS_CSV.name}): "
                                              f"{len(own)} saturated runs of this profile, {len(pooled)} pooled over "
                                              f"{obs['profile'].nunique()} profiles"))

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         from lora_opt.placement.confidence import annotate, at_confidence, resolve_bound
         from twin.profile import load_profile
 
-        annotate(p, wl, resolve_bound(load_profile(p.profile).name, args.confidence, args.error_model))
+        annotate(p, wl, resolve_bound(load_profile(p.profile), args.confidence, args.error_model))
         ev["at_confidence"] = at_confidence(p, wl.rho)
         if ev["at_confidence"]["gpus_below"]:
             code = EXIT_NOT_ACCEPTABLE

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.confidence import resolve_bound
     from twin.profile import load_profile
 
-    setting = resolve_bound(load_profile(wl.profile).name, args.confidence, args.error_model,
+    setting = resolve_bound(load_profile(wl.profile), args.confidence, args.error_model,
                             margin_given=args.margin is not None)
     opts = _policy_options(args)
     if setting.bound is not None and args.policy == "greedy-plus":

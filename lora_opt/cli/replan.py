@@ -42,7 +42,7 @@ def add_replan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
 
 
-def policy_from_flags(args: argparse.Namespace, profile_name: str):
+def policy_from_flags(args: argparse.Namespace, profile):
     """greedy-plus with the flags given (its GPU test is what replan judges instances with); with
     --confidence, verifying at the load the profile's error model derives (refused beside --margin)."""
     from lora_opt.placement.confidence import resolve_bound
@@ -50,7 +50,7 @@ def policy_from_flags(args: argparse.Namespace, profile_name: str):
 
     opts = {k: getattr(args, k) for k in ("margin", "verify_s", "ttft_p99_s", "oracle") if getattr(args, k) is not None}
     if args.confidence is not None:
-        resolve_bound(profile_name, args.confidence, args.error_model, margin_given=args.margin is not None)
+        resolve_bound(profile, args.confidence, args.error_model, margin_given=args.margin is not None)
         opts.update(confidence=args.confidence, error_model=args.error_model)
     return get_policy("greedy-plus", **opts)
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     wl = load_workload(args.workload) if args.workload else history_workload(current, args.history)
     costs = ReplanCosts(args.move_cost, args.restart_cost)
     ctx = PlacementContext.for_workload(wl, args.surrogate)
-    policy = policy_from_flags(args, ctx.profile.name)
+    policy = policy_from_flags(args, ctx.profile)
     r = replan(current, wl, policy, ctx, costs=costs, consolidate=not args.no_consolidate,
                scratch=not args.no_scratch, host=args.host, base_port=args.base_port)
     code, message = verdict(r.placement)

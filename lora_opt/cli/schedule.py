@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             contexts[wl.profile] = PlacementContext.for_workload(wl, args.surrogate)
         return contexts[wl.profile]
 
-    policy = policy_from_flags(args, ctx_for(workloads[0]).profile.name)
+    policy = policy_from_flags(args, ctx_for(workloads[0]).profile)
 
     def on_step(row, placement, plan):
         d = out / "steps" / f"step-{row.step:03d}"

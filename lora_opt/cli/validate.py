@@ -51,6 +51,11 @@ def register(sub) -> None:
                         "(default 1: real time, what a real vLLM needs)")
     v.add_argument("--scrape-s", type=finite_float(0.1, 3600.0), default=5.0,
                    help="scrape each endpoint's /metrics every this many (simulated) seconds (default 5)")
+    v.add_argument("--repeats", type=int_range(2, 100), metavar="K",
+                   help="replay the same requests K >= 2 times (OUT/repeat-1 .. repeat-K, the endpoints drained between "
+                        "them) and judge the twin against the server's own spread: per metric the median real-vs-real "
+                        "SMAPE beside the twin's SMAPE to the real median, 'within the noise' when the latter is <= "
+                        "1.25x the former (OUT/noise.json)")
     v.add_argument("--out", default="validation", help="output directory (default ./validation)")
     v.add_argument("--gpu", default="", help="the GPU's name, recorded with the run (e.g. H100-80GB)")
     v.add_argument("--workers", type=int_range(1, 4096), help="parallel twin simulations (default: all cores)")
@@ -92,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     urls = resolve_endpoints(p, args.endpoints)
     meta = {"placement": str(path), "placement_hash": placement_hash(path), "gpu": args.gpu,
             "workload": wl.name, "requests_from": args.history or args.trace or wl.evaluation.arrivals.process}
+    if args.repeats:
+        return _repeats(args, p, wl, urls, meta, requests)
     summary, status = validate_placement(p, wl, urls, args.out, speed=args.speed, scrape_s=args.scrape_s,
                                          workers=args.workers, meta=meta, tracking_uri=args.tracking_uri,
                                          track=not args.no_track, progress=show_progress(args),
@@ -124,6 +131,51 @@ def run(args: argparse.Namespace) -> int:
     if summary["info"]["interrupted"]:
         print("interrupted: the outputs hold what was measured until Ctrl-C")
     return status
+
+
+def _repeats(args: argparse.Namespace, p, wl, urls: dict, meta: dict, requests) -> int:
+    """K replays of the same requests, then the twin judged against the server's own spread."""
+    import logging
+
+    from lora_opt.errors import EXIT_TWIN_FAILED
+    from lora_opt.io import atomic_write_json
+    from lora_opt.tracking import log_command_run
+    from lora_opt.validate.repeats import noise_lines, noise_table, wait_idle
+    from lora_opt.validate.report import validate_placement
+
+    out = Path(args.out)
+    comparisons, statuses = [], []
+    for k in range(1, args.repeats + 1):
+        if k > 1 and not wait_idle(urls):
+            logging.getLogger(__name__).warning("repeat %d: the endpoints still had requests after 600 s of waiting; "
+                                                "replaying anyway", k)
+        summary, status = validate_placement(p, wl, urls, out / f"repeat-{k}", speed=args.speed, scrape_s=args.scrape_s,
+                                             workers=args.workers, meta={**meta, "repeat": k}, tracking_uri=args.tracking_uri,
+                                             track=not args.no_track, progress=show_progress(args), requests=requests)
+        statuses.append(status)
+        if summary["comparison"] is not None:
+            comparisons.append(summary["comparison"])
+        b = summary["bench"]
+        print(f"repeat {k}/{args.repeats}: {b['completed']:,} ok, {b['failed']:,} failed -> {out}/repeat-{k}/")
+    if len(comparisons) < 2:
+        print(f"the twin ran in {len(comparisons)} of {args.repeats} repeats: no spread to judge it against")
+        return max(statuses + [EXIT_TWIN_FAILED])
+    table = noise_table(comparisons)
+    atomic_write_json(out / "noise.json", table, indent=1, default=float)
+    if args.json:
+        print(json.dumps({"noise": table, "exit_status": max(statuses)}, default=float))
+    else:
+        print(f"the server against itself ({len(comparisons)} repeats of the same requests) and the twin against the "
+              "real median, SMAPE % over the GPUs:")
+        print("\n".join(noise_lines(table)))
+        print(f"wrote {out}/noise.json")
+    log_command_run("validation", f"{wl.name} x{args.repeats}", params={"placement": meta["placement"],
+                    "repeats": args.repeats, "noise_factor": table["noise_factor"]},
+                    metrics={m: {k: v for k, v in e.items() if k != "within_noise"}
+                             for m, e in table["per_metric"].items()},
+                    artifacts=[str(out / "noise.json")], seeds={"evaluation": wl.evaluation.seed},
+                    tracking_uri=args.tracking_uri, track=not args.no_track)
+    return max(statuses)
 
 
 def _twin_only(args: argparse.Namespace, p, wl) -> int:

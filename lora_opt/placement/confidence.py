@@ -23,6 +23,7 @@ from lora_opt.errors import InputError
 from lora_opt.placement.instances import gpu_scenario
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload
+from lora_opt.tracking import profile_info
 from twin.paths import bundle_relative
 from twin.scenario import scenario_from_dict
 
@@ -50,9 +51,11 @@ class ConfidenceSetting:
                 "verification_load": b.verification_load, "error_model": self.model.path if self.model else None}
 
 
-def resolve_bound(profile_name: str, confidence: float | None, error_model: str | None = None, *,
+def resolve_bound(profile, confidence: float | None, error_model: str | None = None, *,
                   margin_given: bool = False) -> ConfidenceSetting:
-    """The bound at ``confidence`` for the profile: from ``error_model`` (a file) or the bundled one.
+    """The bound at ``confidence`` for ``profile`` (a loaded ``Profile``): from ``error_model`` (a file)
+    or the profile's bundled one -- which applies only to the profile file it was fitted for (its
+    sha256, recorded at fit time: a recalibrated profile is another twin, whose error was never measured).
 
     ``confidence`` None means the default: DEFAULT_CONFIDENCE where the profile has an error model,
     else no confidence (the fixed margin); an explicit confidence without an error model, or beside an
@@ -65,13 +68,24 @@ def resolve_bound(profile_name: str, confidence: float | None, error_model: str 
                              "from the twin's measured error, --margin sets it by hand")
     elif margin_given:
         return ConfidenceSetting(None, None, None)
-    model = load_error_model(error_model) if error_model else bundled_error_model(profile_name)
+    why = ""
+    if error_model:
+        model = load_error_model(error_model)
+    else:
+        model = bundled_error_model(profile.name)
+        info = profile_info(profile)
+        fitted_for = model.meta.get("profile_sha256") if model else None
+        if model is not None and fitted_for and info and info[1] != fitted_for:
+            why = (f"{model.path} was fitted for the profile file with sha256 {fitted_for}; {profile.source} has "
+                   f"{info[1]} (recalibrated?)")
+            model = None
+        elif model is None:
+            why = f"{bundle_relative(error_model_path(profile.name))} does not exist"
     if model is None:
         if explicit:
-            raise InputError(f"--confidence {confidence:g}: profile {profile_name!r} has no error model "
-                             f"({bundle_relative(error_model_path(profile_name))} does not exist); fit one on held-apart real runs "
-                             "(lora-opt error-model) and pass --error-model FILE, or leave --confidence out (the "
-                             "fixed --margin applies)")
+            raise InputError(f"--confidence {confidence:g}: profile {profile.name!r} has no error model ({why}); fit "
+                             "one on held-apart real runs (lora-opt error-model) and pass --error-model FILE, or leave "
+                             "--confidence out (the fixed --margin applies)")
         return ConfidenceSetting(None, None, None)
     c = confidence if explicit else DEFAULT_CONFIDENCE
     return ConfidenceSetting(model, model.bound(c), c)

@@ -44,6 +44,10 @@ on 4 GPUs).  So the questions grow with the adapters placed, not with adapters x
      simulation; the count is bisected down until the twin agrees).  The surrogate's
      false-feasible answers cluster near the saturation boundary -- exactly where a packing
      policy operates -- so they never reach the placement.
+  5. Decisions at a stated confidence (``confidence``): the load the twin verifies at is derived from
+     the twin's measured capacity error instead of set by hand -- ``1 / bound`` with ``bound`` the
+     error model's split-conformal lower bound at C (``lora_opt.placement.confidence``); every "1 +
+     margin" above then reads ``verify_load``.
   Adapters too hot for one GPU get dedicated GPUs with requests split evenly.
 """
 from __future__ import annotations
@@ -300,7 +304,7 @@ class GreedyPlus(_GreedyBase):
         """Resolves ``confidence`` against the context's profile into the verification load (once)."""
         if self.confidence is None or self.confidence_setting is not None:
             return
-        setting = resolve_bound(ctx.profile.name, self.confidence, self.error_model)
+        setting = resolve_bound(ctx.profile, self.confidence, self.error_model)
         self.confidence_setting = setting
         self._set_verify_load(setting.bound.verification_load)
 
