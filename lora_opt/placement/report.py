@@ -47,6 +47,18 @@ def _ranks(adapters) -> str:
     return " ".join(f"r{r}x{n}" for r, n in sorted(c.items(), reverse=True))
 
 
+#: the columns every placement table starts with
+_HEAD = f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8}"
+
+
+def _gpu_cells(p: Placement):
+    """(GPU index, its _HEAD cells) for every GPU of ``p``."""
+    on_gpu = p.by_gpu()
+    for i, g in enumerate(p.gpus):
+        ads = [p.adapters[k] for k, _ in on_gpu[i]]
+        yield i, f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8}"
+
+
 def _risk_cell(risk: float | None, exact: bool) -> str:
     if risk is None:
         return "-"
@@ -58,18 +70,14 @@ def confidence_table(p: Placement) -> str:
     m = p.meta
     c = m["confidence"]["confidence"]
     head_m, head_p = f"margin@{c:g}", "P(starve)"
-    lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
-             f"{'cap tok/s':>10} {head_m:>11} {head_p:>10}"]
+    lines = [f"{_HEAD} {'req/s':>7} {'cap tok/s':>10} {head_m:>11} {head_p:>10}"]
     failing = set(m.get("gpus_failing_startup", []))
-    on_gpu = p.by_gpu()
-    for i, g in enumerate(p.gpus):
-        ads = [p.adapters[k] for k, _ in on_gpu[i]]
+    for i, cells in _gpu_cells(p):
         cap, exact = m["twin_capacity_tok_s"][i], m["twin_capacity_exact"][i]
         mar = m["margin_at_confidence"][i]
         cap_cell = "-" if cap is None else ("" if exact else ">=") + f"{cap:.0f}"
         mar_cell = "-" if mar is None else ("" if exact else ">= ") + f"{mar:+.0%}".replace("%", " %")
-        lines.append(f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8} "
-                     f"{m['incoming_rate_req_s'][i]:>7.2f} {cap_cell:>10} {mar_cell:>11} "
+        lines.append(f"{cells} {m['incoming_rate_req_s'][i]:>7.2f} {cap_cell:>10} {mar_cell:>11} "
                      f"{_risk_cell(m['p_starve'][i], exact):>10}" + ("   would not start (OOM)" if i in failing else ""))
     return "\n".join(lines)
 
@@ -95,18 +103,15 @@ def placement_table(p: Placement) -> str:
     m = p.meta
     if m.get("p_starve") is not None and m.get("confidence"):
         return confidence_table(p)
-    lines = [f"{'GPU':>3} {'adapters':>8} {'ranks':<22} {'A_max':>5} {'max_rank':>8} {'req/s':>7} "
-             f"{'pred tok/s':>10} {'margin':>9} {'twin':>10}"]
+    lines = [f"{_HEAD} {'req/s':>7} {'pred tok/s':>10} {'margin':>9} {'twin':>10}"]
     failing = set(m.get("gpus_failing_startup", []))
-    on_gpu = p.by_gpu()
-    for i, g in enumerate(p.gpus):
-        ads = [p.adapters[k] for k, _ in on_gpu[i]]
+    for i, cells in _gpu_cells(p):
         thr = (m.get("predicted_throughput") or [None] * len(p.gpus))[i]
         mar = (m.get("starvation_margin") or [None] * len(p.gpus))[i]
         rate = (m.get("incoming_rate_req_s") or [0.0] * len(p.gpus))[i]
         ver = (m.get("twin_verified_at_load") or [None] * len(p.gpus))[i]
         twin = f"ok at {ver:g}x" if ver else "-"
-        lines.append(f"{i:>3} {len(ads):>8} {_ranks(ads):<22} {g.max_loras:>5} {g.max_lora_rank:>8} {rate:>7.2f} "
+        lines.append(f"{cells} {rate:>7.2f} "
                      f"{(f'{thr:10.0f}' if thr is not None else f'{chr(45):>10}')} "
                      f"{margin_cell(mar):>9} {twin:>10}"
                      + ("   would not start (OOM)" if i in failing else ""))
