@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from lora_opt.calibration import realruns
-from lora_opt.calibration.error_model import (POOLED, ErrorModel, capacity_observed, conformal_lower,
-                                              max_confidence)
+from lora_opt.calibration.error_model import (POOLED, TWIN_SATURATED, ErrorModel, capacity_observed,
+                                              conformal_lower, max_confidence)
 from lora_opt.calibration.model_table import FIT_HALF
 from lora_opt.calibration.replay import select_runs
 from lora_opt.calibration.runs_csv import load_runs
@@ -33,8 +33,6 @@ from twin.errors import ScenarioError
 #: the confidences the report tabulates
 CONFIDENCES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.975, 0.99)
 RHO = 0.9
-#: the twin serves a run "fully" at a load when its served fraction is at least this (no capacity seen)
-TWIN_UNSATURATED = 0.97
 #: load factors of the capacity replays, tried in order until the twin saturates
 OVERLOAD_FACTORS = (2.0, 4.0)
 #: overload replays last at most this long (s): capacity is a rate, the queue only grows
@@ -68,7 +66,7 @@ def replay_runs(rows, workers: int | None = None, ray_address: str | None = None
     base = run_scenarios(_scenarios(rows, 1.0), workers=workers, ray_address=ray_address, desc="twin at 1x")
     thr1, inc1 = map(np.array, zip(*(_thr(r) for r in base)))
     cap, cap_load = thr1.copy(), np.ones(len(rows))
-    todo = np.flatnonzero(~(thr1 < TWIN_UNSATURATED * inc1))        # NaN (not ok) rows too
+    todo = np.flatnonzero(~(thr1 < TWIN_SATURATED * inc1))        # NaN (not ok) rows too
     for f in OVERLOAD_FACTORS:
         if not todo.size:
             break
@@ -76,7 +74,7 @@ def replay_runs(rows, workers: int | None = None, ray_address: str | None = None
                             desc=f"twin at {f:g}x")
         t, i = map(np.array, zip(*(_thr(r) for r in res)))
         cap[todo], cap_load[todo] = t, f
-        todo = todo[~(t < TWIN_UNSATURATED * i)]
+        todo = todo[~(t < TWIN_SATURATED * i)]
     real = rows.reset_index(drop=True)
     rate_sum = np.array([sum(a["rate"] for a in realruns.run_to_scenario(r)["adapters"]) for _, r in real.iterrows()])
     real_inc = rate_sum * (real["total_input_tokens"] + real["total_output_tokens"]) / real["completed"]
@@ -109,7 +107,7 @@ def _regimes(df) -> list[str]:
     for _, r in df.iterrows():
         if r["capacity_observed"]:
             out.append("saturated, slot-bound" if r["n_served_adapters"] > r["max_loras"] else "saturated")
-        elif r["real_served"] >= LIGHT_SERVED and r["twin_served"] >= TWIN_UNSATURATED \
+        elif r["real_served"] >= LIGHT_SERVED and r["twin_served"] >= TWIN_SATURATED \
                 and r["real_waiting_mean"] < 1.0:
             out.append("light, slot-bound" if r["n_served_adapters"] > r["max_loras"] else "light")
         else:

@@ -51,6 +51,9 @@ SATURATED_SERVED = 0.95
 #: serve 96-97 % by the rate estimate's own error (5-minute runs: +-15 %) without any queue
 SATURATED_WAITING = 1.0
 SATURATED_TTFT_MS = 2000.0
+#: the twin serves a load fully at or above this served fraction; below it the twin is saturated and its
+#: throughput is its capacity (the fit's capacity replays and place's per-GPU ones use the same line)
+TWIN_SATURATED = 0.97
 #: the key of the pooled samples in an error model file
 POOLED = "pooled"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import twin
-from lora_opt.calibration.error_model import (DEFAULT_CONFIDENCE, Bound, ErrorModel, bundled_error_model,
-                                              check_confidence, error_model_path, load_error_model)
+from lora_opt.calibration.error_model import (DEFAULT_CONFIDENCE, TWIN_SATURATED, Bound, ErrorModel,
+                                              bundled_error_model, check_confidence, error_model_path, load_error_model)
 from lora_opt.errors import InputError
 from lora_opt.placement.instances import gpu_scenario
 from lora_opt.placement.plan import Placement
@@ -29,8 +29,6 @@ from twin.scenario import scenario_from_dict
 
 #: load factors of the capacity replay, in order, until the twin serves less than TWIN_SATURATED
 CAPACITY_LOADS = (2.0, 4.0, 8.0)
-#: below this served fraction the twin is saturated: its throughput is its capacity
-TWIN_SATURATED = 0.97
 #: seconds of traffic in a capacity replay (a rate: the queue only grows at overload)
 CAPACITY_S = 600.0
 
