@@ -82,15 +82,15 @@ async def exercise(base: str, max_tokens: int = MAX_TOKENS) -> dict:
     harness's window: the three must still run when the fourth arrives)."""
     import httpx
     out: dict = {"usage": [], "max_tokens": max_tokens, "trace": []}
-    t0 = time.time()
+    t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=300, trust_env=False) as c:
         async def scrape(tag):
             out[tag] = (await c.get(base + "/metrics")).text
             try:
-                out["trace"].append((tag, round(time.time() - t0, 3), value(out[tag], "vllm:num_requests_running"),
+                out["trace"].append((tag, round(time.monotonic() - t0, 3), value(out[tag], "vllm:num_requests_running"),
                                      value(out[tag], "vllm:num_requests_waiting")))
             except KeyError:
-                out["trace"].append((tag, round(time.time() - t0, 3), None, None))
+                out["trace"].append((tag, round(time.monotonic() - t0, 3), None, None))
 
         async def stream(model: str, seed: int, started: asyncio.Event):
             body = {"model": model, "prompt": [(seed * 97 + k * 13) % 4000 + 10 for k in range(PROMPT_LEN)],
@@ -112,20 +112,26 @@ async def exercise(base: str, max_tokens: int = MAX_TOKENS) -> dict:
         # wait until the engine runs the three by its own metrics, not until the client sees their tokens:
         # a lagging vLLM front end merges a stream's tokens into late chunks (on a busy machine the first
         # chunk can come when the stream is nearly done)
-        deadline = time.time() + 120
+        deadline = time.monotonic() + 120
         while True:
             await scrape("during")
-            if value(out["during"], "vllm:num_requests_running") == 3 or time.time() > deadline:
+            if value(out["during"], "vllm:num_requests_running") == 3 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.02)
         late = asyncio.Event()
         tasks.append(asyncio.ensure_future(stream("r32-a", 9, late)))   # both LoRA slots are taken: it waits
-        deadline = time.time() + 10
-        while True:     # until the engine has it (waiting), the three run and each has streamed output (a
-            await scrape("during")               # request admitted a step after the others has not yet)
+        # until the engine has it (waiting), the three run and each has streamed output (a request admitted a
+        # step after the others has not yet) -- or the window has closed: one of the three finished.  Not a
+        # wall-clock limit: CI once saw a single scrape in this loop before a 10-s deadline passed, on a
+        # 2-core machine whose scrapes and streams were still in the window
+        deadline = time.monotonic() + 240
+        while True:
+            await scrape("during")
             if (value(out["during"], "vllm:num_requests_waiting") == 1
                     and value(out["during"], "vllm:num_requests_running") == 3
-                    and all(ev.is_set() for _, ev in first)) or time.time() > deadline:
+                    and all(ev.is_set() for _, ev in first)):
+                break
+            if any(t.done() for t in tasks[:3]) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
         out["reached"] = out["trace"][-1][2:] == (3, 1) and all(ev.is_set() for _, ev in first)
@@ -138,11 +144,11 @@ async def exercise(base: str, max_tokens: int = MAX_TOKENS) -> dict:
                 "ignore_eos": True, "stream": True}) as r:
             async for _ in r.aiter_bytes():
                 break
-        deadline = time.time() + 30
+        deadline = time.monotonic() + 30
         while True:
             await asyncio.sleep(0.5)
             await scrape("aborted")
-            if value(out["aborted"], "vllm:num_requests_running") == 0 or time.time() > deadline:
+            if value(out["aborted"], "vllm:num_requests_running") == 0 or time.monotonic() > deadline:
                 break
     return out
 
