@@ -286,6 +286,10 @@ NOT_RUN_HERE = {
     "emulate --profile llama-3.1-8b-h100-64gb --model ./tiny-llama --served-model-name tiny-llama --max-loras 2 "
     "--max-lora-rank 32 --max-model-len 512 --lora-modules a=adapters/a --vllm-version 0.32":
         "needs the tier's model directory; tests/real_vllm/test_conformance.py starts it so",
+    "dataset --grid heldapart --profile llama-3.1-8b-h100-64gb --out outputs/dataset-heldapart-llama":
+        "35 s of labelling on 2 cores; tests/test_surrogate.py conformalizes on a small held-apart frame",
+    "train --dataset outputs/dataset-heldapart-llama --out configs/surrogates/llama-3.1-8b-h100-64gb --intervals-only":
+        "rewrites the bundled surrogate's intervals; tests/test_surrogate.py runs --intervals-only on a copy",
     "dataset --grid papers --out outputs/dataset-llama": "the papers' grid: about an hour on 2 cores",
     "dataset --grid papers --out outputs/dataset-papers-llama": "the papers' grid: about an hour on 2 cores",
     "dataset --grid workloads --out outputs/dataset-workloads-llama": "about 24 minutes on 2 cores",

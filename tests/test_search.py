@@ -313,3 +313,17 @@ def test_search_refuses_a_window_no_longer_than_the_grace(tmp_path, capsys):
                "--out", str(tmp_path / "o"), "--no-track"])
     err = capsys.readouterr().err
     assert rc == 2 and "evaluation.duration_s: 60 s" in err and "grace" in err
+
+
+def test_a_trial_killed_while_being_asked_is_completed_on_resume(tiny, tmp_path):
+    """A kill between a trial's first and last suggest leaves it RUNNING with some parameters: the resumed
+    study asks the missing ones and evaluates it (it used to fail with a KeyError in decode)."""
+    wl, ctx, setup = tiny
+    from lora_opt.search.study import open_study
+    storage = f"sqlite:///{tmp_path}/p.db"
+    study, _ = open_study(setup, storage, "p", 0)
+    trial = study.ask()
+    trial.suggest_int("gpus", 1, 2)                     # ... and killed before share_0 / amax_0
+    res = run_search(setup, ctx, Traffic(None, 120, seed=1), trials=1, storage=storage, study_name="p", workers=1,
+                     seeds=False, progress=False)
+    assert (res.trials, res.complete, res.failed, res.resumed_stale) == (1, 1, 0, 1)

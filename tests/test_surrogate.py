@@ -23,7 +23,7 @@ RANKS, RATES = (8, 16, 32), (1.6, 0.8, 0.4, 0.1, 0.05, 0.025)
 SERVED, MAX_LORAS = (8, 16, 32, 64, 96, 128, 192), (8, 16, 32, 64, 192)   # 192 slots of rank 32: OOM
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=2)
 def twin_frame(workloads: int = 16, seed: int = 0) -> pd.DataFrame:
     """Rows of the dataset schema (``lora_opt.surrogates.dataset.make_row``) for ``workloads`` random workloads,
     each over every (served, A_max <= served) pair: ~370 twin runs of 300 s, ~10 s."""
@@ -219,3 +219,35 @@ def test_trained_surrogate_loads_from_the_registry(trained):
     d = registry.surrogate_dir("models:/lora-opt-starvation/1", trained["uri"])
     for name in registry.SURROGATE_FILES:
         assert (d / name).read_bytes() == (trained["out"] / name).read_bytes(), name
+
+
+def test_train_stores_intervals_and_intervals_only_adds_them(trained, tmp_path, capsys):
+    from lora_opt.cli import main
+    import shutil
+    out = tmp_path / "s"
+    shutil.copytree(trained["out"], out)
+    manifest = json.loads((out / "surrogate.json").read_text())
+    manifest["metadata"].pop("intervals", None)                 # as the bundled surrogates were made
+    (out / "surrogate.json").write_text(json.dumps(manifest))
+    sur = Surrogate.load(out)
+    assert sur.intervals is None
+    with pytest.raises(Exception, match="--intervals-only"):
+        sur.throughput_interval(np.zeros((1, len(sur.feature_names))), 0.9)
+    assert main(["train", "--dataset", str(trained["data"]), "--out", str(out), "--intervals-only"]) == 0
+    assert "split conformal on" in capsys.readouterr().out
+    sur = Surrogate.load(out)                                   # the model file untouched: its hash still checks
+    assert sur.intervals["calibration_rows"] >= 10
+    assert json.loads((out / "metrics.json").read_text())["intervals"] == sur.intervals
+    X = twin_frame()[list(FEATURES)].to_numpy(np.float64)[:5]
+    lo, hi = sur.throughput_interval(X, 0.8)
+    assert lo[0] <= sur.predict(X)[0][0] <= hi[0]
+    assert "held-out split of its training dataset" in sur.intervals["rows_from"]
+    # a held-apart dataset (other rows): every regression row of it, named as such
+    other = write_shards(twin_frame(workloads=6, seed=9), tmp_path / "other")
+    assert main(["train", "--dataset", str(other), "--out", str(out), "--intervals-only"]) == 0
+    assert "a held-apart dataset" in Surrogate.load(out).intervals["rows_from"]
+    capsys.readouterr()
+    # another profile's rows: refused, naming the flag
+    (out / "dataset_summary.json").write_text(json.dumps({"profile": "qwen-2.5-7b-h100-64gb"}))
+    assert main(["train", "--dataset", str(other), "--out", str(out), "--intervals-only"]) == 2
+    assert "--dataset" in capsys.readouterr().err

@@ -60,3 +60,28 @@ def test_twin_only_refuses_what_it_cannot_rebuild(run, capsys, tmp_path):
 def test_validate_needs_endpoints_or_a_stored_run(run, capsys):
     assert cli_main(["validate", str(run / "placement" / "placement.json")]) == 2
     assert "one of the arguments --endpoints --twin-only is required" in capsys.readouterr().err
+
+
+def test_speed_match_scales_step_times_and_fits_the_measured_itl(run, tmp_path):
+    """lora_opt.validate.speed_match: x1 is the profile itself (the run's own twin numbers, nothing
+    written into the run); every millisecond estimator scales, relative factors do not; the fitted factor
+    brings the twin's mean ITL to the measured one."""
+    import json
+
+    from lora_opt.placement.plan import Placement
+    from lora_opt.placement.workload_file import load_workload
+    from lora_opt.validate.speed_match import scaled_profile, speed_factor, twin_at_speed
+    p, wl = Placement.load(run / "placement" / "placement.json"), load_workload(str(run / "workload.yaml"))
+    before = {n: (run / "out" / n).read_bytes() for n in ("twin.json", "comparison.json")}
+    stored = json.loads(before["comparison.json"])
+    same = twin_at_speed(run / "out", p, wl, 1.0, tmp_path)
+    assert same["twin"] == stored["twin"] and same["real"] == stored["real"]
+    d1, d2 = scaled_profile(p.profile, 1.0), scaled_profile(p.profile, 2.0)
+    assert d2["latency"]["base_ms"] == 2 * d1["latency"]["base_ms"]
+    for r, e in d1["latency"]["lora"].items():
+        assert d2["latency"]["lora"][r]["jump"] == e["jump"]
+        assert d2["latency"]["lora"][r].get("token_ms", 0) == 2 * e.get("token_ms", 0)
+    s, comp = speed_factor(run / "out", p, wl)
+    twin, real = comp["twin"]["0"]["itl_mean_ms"], comp["real"]["0"]["itl_mean_ms"]
+    assert 0.25 < s < 4 and abs(twin - real) / real < 0.01
+    assert {n: (run / "out" / n).read_bytes() for n in before} == before       # the run is not rewritten

@@ -1,6 +1,7 @@
 """The real CPU vLLM measured against itself, and the twin judged against that (issue 35, item 5).
 
     python experiments/real_validation/cpu_noise.py [--repeats 3] [--half report] [--duration 150]
+    python experiments/real_validation/cpu_noise.py --stages judge speed      # from the stored runs
 
 The committed loop's workloads (``cpu_workloads.WORKLOADS``: light, near saturation, slot-bound, mixed
 ranks), each replayed ``--repeats`` times with the same requests (the ``--half``'s seed), **each repeat on
@@ -10,7 +11,10 @@ twin is the CPU profile as committed (nothing refitted here).  Per workload and 
 ``lora_opt.validate.repeats.noise_table`` -- the server's own spread (median pairwise SMAPE, min-max)
 beside the twin's SMAPE to the real median, and the verdict "within the server's noise" (twin <=
 1.25 x real-vs-real).  Writes ``OUT/noise/<workload>.json``, ``OUT/NOISE.md``, ``OUT/noise.json`` and one
-MLflow run (experiment ``real_validation_cpu``).
+MLflow run (experiment ``real_validation_cpu``).  ``speed`` (``lora_opt.validate.speed_match``): the twin
+again at the step-time factor that matches each run's measured mean ITL, and at the light run's factor
+-- what the machine's speed explains apart from the twin's scheduling and cost shape: ``OUT/SPEED.md``,
+``OUT/speed.json``, a second MLflow run.
 """
 from __future__ import annotations
 
@@ -89,14 +93,107 @@ def report(out: Path, result: dict, half: str, tracking_uri: str | None) -> None
     print("\n".join(lines))
 
 
+def _run_files(out: Path, n: int, half: str, k: int):
+    from lora_opt.placement.plan import Placement
+    from lora_opt.placement.workload_file import load_workload
+    run = out / f"repeat-{k}" / "validation" / f"{n}-{half}"
+    return run / "out", Placement.load(run / "placement" / "placement.json"), load_workload(str(run / "workload.yaml"))
+
+
+#: the what-if of the speed stage: the profile's front-end TTFT terms off
+FRONT_END_OFF = {"ttft_frontend_ms": 0.0, "ttft_frontend_per_running_ms": 0.0}
+
+
+def stage_speed(out: Path, half: str) -> dict:
+    """Speed against scheduling (``lora_opt.validate.speed_match``): per run, the step-time factor at which
+    the twin's mean ITL is the server's, and the comparison there; per repeat, the light run's factor
+    applied to the other workloads.  Judged against the same real-vs-real spread."""
+    from lora_opt.validate.repeats import noise_table
+    from lora_opt.validate.speed_match import speed_factor, twin_at_speed
+    import tempfile
+    done = json.loads((out / "runs.json").read_text())
+    repeats = sorted({r["repeat"] for r in done.values() if r["half"] == half and r.get("comparison")})
+    factors: dict = {}
+    matched: dict = {}
+    at_light: dict = {}
+    no_front: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in repeats:
+            for n in WORKLOADS:
+                key = f"{n}-{half}-{k}"
+                if key not in done or not done[key].get("comparison"):
+                    continue
+                run, p, wl = _run_files(out, n, half, k)
+                s, comp = speed_factor(run, p, wl)
+                factors.setdefault(n, {})[k] = s
+                matched.setdefault(n, []).append(comp)
+                # the front end's TTFT term (calibrate-e2e's, per running request) off, at the run's own speed
+                no_front.setdefault(n, []).append(twin_at_speed(run, p, wl, s, Path(tmp), FRONT_END_OFF))
+                print(f"-- {n} repeat {k}: step-time factor {s:.3f}", flush=True)
+            light = factors.get("light", {}).get(k)
+            for n in WORKLOADS:
+                key = f"{n}-{half}-{k}"
+                if light is None or key not in done or not done[key].get("comparison"):
+                    continue
+                run, p, wl = _run_files(out, n, half, k)
+                at_light.setdefault(n, []).append(twin_at_speed(run, p, wl, light, Path(tmp)))
+    result = {"factors": factors, "matched": {n: noise_table(c) for n, c in matched.items() if len(c) >= 2},
+              "at_light_speed": {n: noise_table(c) for n, c in at_light.items() if len(c) >= 2},
+              "front_end_off": {n: noise_table(c) for n, c in no_front.items() if len(c) >= 2}}
+    atomic_write_json(out / "speed.json", result, indent=1, default=float)
+    return result
+
+
+def speed_report(out: Path, noise: dict, speed: dict) -> list[str]:
+    """SPEED.md's table: per workload and metric, the server's own spread, the twin as it is, the twin at
+    the light run's speed, the twin at each run's own speed (ITL fitted there, not judged)."""
+    def cell(table, n, m):
+        if n not in table:
+            return "-", "-"
+        g = table[n]["per_gpu"][table[n]["gpus"][0]].get(m)
+        if g is None:
+            return "-", "-"
+        v = g["within_noise"]
+        return f"{g['twin_vs_real_smape']:.1f}", "-" if v is None else ("within" if v else "**outside**")
+    lines = ["# Speed or scheduling: the twin at the server's own speed", "",
+             "Command: `python experiments/real_validation/cpu_noise.py --stages speed` (from the stored runs; "
+             "`lora_opt/validate/speed_match.py`). Step-time factor s: every millisecond estimator of the CPU profile's "
+             "latency section x s, s chosen per run so that the twin's mean ITL equals the server's (ITL is then fitted, "
+             "not judged). 'at light's s': the factor of the same repeat's light run (one or two sequences a step: the "
+             "machine's speed alone) applied to the workload. Last column: at its own s with the profile's front-end TTFT "
+             "terms (`ttft_frontend_ms`, `ttft_frontend_per_running_ms`, fitted by calibrate-e2e) set to 0.", "",
+             "| workload | s per repeat | at light's s (per repeat) |", "|---|---|---|"]
+    for n, f in speed["factors"].items():
+        light = speed["factors"].get("light", {})
+        lines.append(f"| {n} | {', '.join(f'{v:.3f}' for _, v in sorted(f.items()))} | "
+                     f"{', '.join(f'{light[k]:.3f}' for k in sorted(f) if k in light)} |")
+    lines += ["", "SMAPE to the real median (%), and the verdict (twin <= 1.25 x real-vs-real):", "",
+              "| workload | metric | real vs real % | twin as is | at light's s | at its own s | own s, front-end TTFT term off |",
+              "|---|---|---|---|---|---|---|"]
+    for n in noise:
+        g0 = noise[n]["per_gpu"][noise[n]["gpus"][0]]
+        for m in METRICS:
+            if m not in g0:
+                continue
+            a, b, c = cell(noise, n, m), cell(speed["at_light_speed"], n, m), cell(speed["matched"], n, m)
+            d = cell(speed.get("front_end_off", {}), n, m)
+            own = "fitted" if m == "itl_mean_ms" else f"{c[0]} {c[1]}"
+            lines.append(f"| {n} | {m} | {g0[m]['real_vs_real_smape']:.1f} | {a[0]} {a[1]} | {b[0]} {b[1]} | {own} | "
+                         f"{d[0]} {d[1]} |")
+    atomic_write_text(out / "SPEED.md", "\n".join(lines) + "\n")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--half", choices=list(SEEDS), default="report")
     ap.add_argument("--duration", type=float, default=150.0)
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS))
-    ap.add_argument("--stages", nargs="+", default=["measure", "judge"], choices=["measure", "judge"])
-    ap.add_argument("--out", default=str(OUT / "noise_repeats"))
+    ap.add_argument("--stages", nargs="+", default=["measure", "judge", "speed"], choices=["measure", "judge", "speed"])
+    # noise_all: the four workloads in one sitting (2026-12-03 17:18-17:54); noise_repeats: the first sitting
+    # (light and near saturation only, 15:32-15:51): --out experiments/real_validation/cpu/noise_repeats
+    ap.add_argument("--out", default=str(OUT / "noise_all"))
     ap.add_argument("--tracking-uri")
     a = ap.parse_args(argv)
     if a.repeats < 2:
@@ -108,8 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if "measure" in a.stages:
         stage_measure(load_probe_tier(), out, a.repeats, a.half, a.duration, a.workloads)
+    noise = None
     if "judge" in a.stages:
-        report(out, stage_judge(out, a.half), a.half, a.tracking_uri)
+        noise = stage_judge(out, a.half)
+        report(out, noise, a.half, a.tracking_uri)
+    if "speed" in a.stages:
+        noise = noise if noise is not None else stage_judge(out, a.half)
+        speed = stage_speed(out, a.half)
+        print("\n".join(speed_report(out, noise, speed)))
+        from lora_opt.tracking import log_command_run
+        log_command_run("real_validation_cpu", "speed vs scheduling", params={"half": a.half},
+                        metrics={f"factor.{n}.r{k}": v for n, f in speed["factors"].items() for k, v in f.items()},
+                        artifacts=[str(out / "SPEED.md"), str(out / "speed.json")], tracking_uri=a.tracking_uri,
+                        track=True)
     print(f"== {time.perf_counter() - t0:.0f} s")
     return 0
 

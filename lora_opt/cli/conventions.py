@@ -106,6 +106,15 @@ def _confidence(text: str) -> float:
 _confidence.__name__ = "probability"
 #: --confidence: a probability in the open interval (0, 1)
 CONFIDENCE = _confidence
+
+
+def _confidence_or_point(text: str) -> float | None:
+    return None if text.strip().lower() == "point" else _confidence(text)
+
+
+_confidence_or_point.__name__ = "probability or 'point'"
+#: pareto's --confidence list: a probability in (0, 1), or ``point`` (the point estimate)
+CONFIDENCE_OR_POINT = _confidence_or_point
 POSITIVE_MS = finite_float(0.0, 1e9, lo_open=True)       # latency targets
 POSITIVE_S = finite_float(0.0, MAX_SECONDS, lo_open=True)
 NONNEGATIVE_S = finite_float(0.0, MAX_SECONDS)

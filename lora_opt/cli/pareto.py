@@ -5,7 +5,8 @@ import argparse
 import shlex
 import sys
 
-from lora_opt.cli.conventions import FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags, add_tracking_flag, int_range
+from lora_opt.cli.conventions import (CONFIDENCE_OR_POINT, FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags,
+                                      add_tracking_flag, int_range)
 from lora_opt.errors import EXIT_NOT_ACCEPTABLE
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
 
@@ -22,6 +23,11 @@ def register(sub) -> None:
     pa.add_argument("--history", metavar="LOG.csv",
                     help="request log (as for place): rates, greedy-plus verification and search traffic from "
                          "its first half; every point replayed on its second half")
+    pa.add_argument("--confidence", type=CONFIDENCE_OR_POINT, nargs="+", metavar="C",
+                    help="decide at these confidences, each in (0, 1) or 'point' (the point estimate): a front per "
+                         "method and confidence, the band between them in the plot (default: point)")
+    pa.add_argument("--error-model", metavar="FILE", help="error model YAML for --confidence (default: the profile's "
+                                                          "bundled one)")
     pa.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES))
     pa.add_argument("--trials", type=int_range(0, 1_000_000), default=24, help="search trials per criterion (0 = greedy policies only)")
     pa.add_argument("--ref-latency-ms", type=POSITIVE_MS, default=60_000.0,
@@ -44,8 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
     wl = load_workload(args.workload)
     criteria = criteria_sweep(args.rhos, args.ttft_slos_ms, args.itl_slos_ms, args.attainment)
+    confidences = tuple(dict.fromkeys(args.confidence or [None]))
+    if args.error_model and all(c is None for c in confidences):
+        from lora_opt.errors import InputError
+        raise InputError("--error-model: only with --confidence C (the point estimate uses no error model)")
     config = ParetoConfig(criteria, objective=args.objective, trials=args.trials, seed=args.seed,
-                          ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address)
+                          ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address,
+                          confidences=confidences, error_model=args.error_model)
     command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
     res, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
                              tracking_uri=args.tracking_uri, command=command,

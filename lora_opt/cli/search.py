@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lora_opt.cli.conventions import (FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_fleet_flags,
+from lora_opt.cli.conventions import (CONFIDENCE, FRACTION, GPUS, POSITIVE_MS, POSITIVE_S, SEED, add_fleet_flags,
                                       add_ray_flags, add_tracking_flag, int_range)
 from lora_opt.errors import EXIT_NOT_ACCEPTABLE, InputError
 from lora_opt.io import atomic_write_json
@@ -33,6 +33,12 @@ def register(sub) -> None:
     se.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES),
                     help=f"latency objective (default {DEFAULT_OBJECTIVE})")
     add_criterion_flags(se)
+    se.add_argument("--confidence", type=CONFIDENCE,
+                    help="decide at this confidence, in (0, 1): a trial is feasible only when the twin also serves it "
+                         "at the load the profile's error model derives for C (default: the point estimate, the "
+                         "load as it is)")
+    se.add_argument("--error-model", metavar="FILE", help="error model YAML for --confidence (default: the profile's "
+                                                          "bundled one)")
     se.add_argument("--deployment", nargs="+", choices=list(DEPLOYMENTS), default=[DEFAULT_DEPLOYMENT],
                     help="what a trial is: placement (default: lora-opt's placement, each adapter on its GPUs) or "
                          "every-gpu (every adapter on every GPU, one A_max); several: one study each, fronts merged")
@@ -113,9 +119,16 @@ def run(args: argparse.Namespace) -> int:
         # with a log, its first half sets the rates and is searched on; its second half is held out
         wl, search_traffic, heldout, ctx_kw = traffic_halves(wl, args.history)
         ctx = PlacementContext.for_workload(wl, args.surrogate, **ctx_kw)
+        conf = None
+        if args.confidence is not None:
+            from lora_opt.placement.confidence import resolve_bound
+            conf = resolve_bound(ctx.profile, args.confidence, args.error_model)
+        elif args.error_model:
+            raise InputError("--error-model: only with --confidence (search decides on the point estimate without one)")
         scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
         setups = [SearchSetup.build(wl, args.gpus, ctx, _criterion(args, wl.rho), args.objective, batch=args.batch,
-                                    fleet=FleetOptions(router, args.adapters, **scrape), deployment=deployment)
+                                    fleet=FleetOptions(router, args.adapters, **scrape), deployment=deployment,
+                                    confidence=conf)
                   for deployment in dict.fromkeys(args.deployment) for router in dict.fromkeys(args.router)]
         prep.set_description_str("search: setup ready")
     kw = dict(trials=args.trials, storage=storage, seed=args.seed, workers=args.workers,
@@ -147,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"study": res.study_name, "storage": res.storage, "backend": args.backend, "seed": args.seed,
               "reproducible": args.backend == "ask-tell",
               "criterion": setup.criterion.label, "objective": args.objective,
+              "confidence": conf.to_dict() if conf is not None else None,
               "trials": sum(r.trials for _, r, _ in studies), "complete": sum(r.complete for _, r, _ in studies),
               "failed": sum(r.failed for _, r, _ in studies), "wall_s": wall_s, "front": rows,
               "plots": [str(p) for p in plots], "adapters": args.adapters,
@@ -157,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     log_command_run("search", res.study_name, params={"workload": wl.name, "gpus": args.gpus, "trials": args.trials,
                     "objective": args.objective, "criterion": setup.criterion.label, "storage": res.storage,
                     "study": res.study_name, "backend": args.backend, "deployments": ",".join(args.deployment),
-                    "routers": ",".join(args.router), "adapters": args.adapters},
+                    "routers": ",".join(args.router), "adapters": args.adapters,
+                    "confidence": setup.confidence, "verify_load": setup.verify_load},
                     metrics={"trials": result["trials"], "complete": result["complete"], "failed": result["failed"],
                              "front_points": len(rows)},
                     artifacts=[out], profile=wl.profile, seeds={"sampler": args.seed, "evaluation": wl.evaluation.seed},
@@ -169,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
     for s, r, _ in studies:
         print(f"study {r.study_name} in {r.storage} ({args.backend}): {r.trials} trials ({r.complete} complete, "
               f"{r.failed} failed{_stale_note(r.resumed_stale, args.backend)}); "
-              f"{r.wall_s:.0f} s; criterion {s.criterion.label}" + (f"; {s.label}" if s.label != "placement / static / static" else ""))
+              f"{r.wall_s:.0f} s; criterion {s.criterion.label}" + (f"; {s.label}" if s.label != "placement / static / static" else "")
+              + ("" if s.confidence is None else f"; at confidence {s.confidence:g}: feasible also at "
+                 f"{s.verify_load:.3f}x the load"))
     if args.backend == "tune":
         print("  (tune: the trials depend on the order they finished in -- not reproducible across runs or "
               "--workers; the default backend is)")

@@ -18,11 +18,12 @@ import numpy as np
 from tqdm import tqdm
 
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_text
-from lora_opt.placement.evaluate import Criterion, served_ok
+from lora_opt.placement.confidence import resolve_bound
+from lora_opt.placement.evaluate import Criterion
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
-from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, hypervolume, nondominated,
-                                   objective_value, replay, replay_front, run_search, traffic_halves)
+from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, heldout_verdict, hypervolume,
+                                   nondominated, replay_front, run_search, traffic_halves)
 from lora_opt.tracking import log_dir, log_flat_metrics, log_params, tracked_run
 
 METHODS = ("greedy-plus", "greedy", "search")
@@ -42,9 +43,9 @@ def criterion_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0])
 
 
-def _replay(p, wl, traffic: Traffic, criterion, objective, workers, ray_address):
-    ev = replay(p, wl, traffic, criterion=criterion, workers=workers, ray_address=ray_address)
-    return objective_value(ev, objective), served_ok(ev)
+def front_key(method: str, confidence: float | None) -> str:
+    """A front's name: the method, and the confidence it was decided at when there is one."""
+    return method if confidence is None else f"{method} @ C={confidence:g}"
 
 
 def pareto_points(points: list[dict]) -> list[dict]:
@@ -74,85 +75,134 @@ class ParetoConfig:
     seed: int = 0
     """Seed of the studies' samplers (one stream per criterion, ``criterion_seed``): the same
     trials and fronts whatever ``workers`` (``lora_opt.search.study.run_search``)."""
+    confidences: tuple = (None,)
+    """Confidences the sweep decides at, one front per method and confidence (None: the point
+    estimate -- greedy-plus's fixed margin, the search and the greedy judged at the load itself).  At a
+    confidence C, greedy-plus verifies at the error model's load for C and every point counts only when
+    the twin also serves it at that load (``lora_opt.placement.confidence``)."""
+    error_model: str | None = None
+    """Error model file behind ``confidences`` (None: the profile's bundled one)."""
+
+
+def _sweep_point(c, conf, i: int, wl, pool: int, ctx, config: ParetoConfig, traffic: dict, storage_dir: Path,
+                 greedy_p, cost: dict) -> list[dict]:
+    """The points of one criterion ``c`` at one confidence setting ``conf`` (``ConfidenceSetting`` or
+    None): greedy-plus placed for them, the paper's greedy judged under them, the study's front."""
+    objective, workers, ray_address = config.objective, config.workers, config.ray_address
+    history_ctx = traffic["history_ctx"] or ctx
+    setup = SearchSetup.build(wl, pool, ctx, c, objective, confidence=conf)
+    tag = {"criterion": c.label, "confidence": setup.confidence}
+    points = []
+    t = time.perf_counter()
+    opts = {} if setup.confidence is None else {"confidence": setup.confidence, "error_model": config.error_model}
+    p = get_policy("greedy-plus", ttft_p99_s=None, criterion=c, **opts).place(wl, pool, history_ctx)
+    if p.meta["feasible"]:
+        lat, ok = heldout_verdict(p, wl, traffic["eval"], setup, workers=workers, ray_address=ray_address)
+        points.append({"method": "greedy-plus", **tag, "gpus": len(p.gpus), "latency_ms": lat, "feasible": ok})
+    else:
+        points.append({"method": "greedy-plus", **tag, "gpus": p.meta["gpus_needed"], "latency_ms": math.nan,
+                       "feasible": False})
+    cost["greedy-plus"]["wall_s"] += time.perf_counter() - t
+    t = time.perf_counter()
+    lat, ok = heldout_verdict(greedy_p, wl, traffic["eval"], setup, workers=workers, ray_address=ray_address)
+    points.append({"method": "greedy", **tag, "gpus": len(greedy_p.gpus), "latency_ms": lat,
+                   "feasible": ok and bool(greedy_p.meta["feasible"])})
+    cost["greedy"]["wall_s"] += time.perf_counter() - t
+    if config.trials > 0:
+        t = time.perf_counter()
+        name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
+        name += "" if setup.confidence is None else f"-C{setup.confidence:g}"
+        res = run_search(setup, history_ctx, traffic["search"], trials=config.trials,
+                         storage=f"sqlite:///{storage_dir / 'studies.db'}", study_name=name,
+                         seed=criterion_seed(config.seed, i), workers=workers, ray_address=ray_address, progress=False)
+        for r in replay_front(res.front, setup, traffic["eval"], workers=workers, ray_address=ray_address):
+            points.append({"method": "search", **tag, "gpus": r["gpus"], "latency_ms": r["heldout"],
+                           "feasible": r["heldout_feasible"], "search_latency_ms": r[objective], "trial": r["trial"],
+                           "seed": r.get("seed")})
+        cost["search"]["wall_s"] += time.perf_counter() - t
+        cost["search"]["trials"] += res.trials
+    return points
 
 
 def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traffic, eval_traffic: Traffic,
                storage_dir: Path, history_ctx=None) -> dict:
-    """Points, fronts, hypervolumes and costs of every method over ``config.criteria``.  Studies
-    are stored in ``storage_dir/studies.db``.  ``history_ctx``: a PlacementContext with observed
-    requests for greedy-plus and the search (else ``ctx``)."""
-    criteria, objective, trials = config.criteria, config.objective, config.trials
-    workers, ray_address = config.workers, config.ray_address
+    """Points, fronts, hypervolumes and costs of every method over ``config.criteria`` (and
+    ``config.confidences``: a front per method and confidence).  Studies are stored in
+    ``storage_dir/studies.db``.  ``history_ctx``: a PlacementContext with observed requests for
+    greedy-plus and the search (else ``ctx``)."""
+    criteria = config.criteria
+    settings = [None if c is None else resolve_bound(ctx.profile, c, config.error_model) for c in config.confidences]
     points: list[dict] = []
     cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
-    greedy_p = None
-    for i, c in enumerate(tqdm(criteria, desc="criteria", unit="criterion", disable=not config.progress)):
-        t = time.perf_counter()
-        p = get_policy("greedy-plus", ttft_p99_s=None, criterion=c).place(wl, pool, history_ctx or ctx)
-        if p.meta["feasible"]:
-            lat, ok = _replay(p, wl, eval_traffic, c, objective, workers, ray_address)
-            points.append({"method": "greedy-plus", "criterion": c.label, "gpus": len(p.gpus), "latency_ms": lat,
-                           "feasible": ok})
-        else:
-            points.append({"method": "greedy-plus", "criterion": c.label, "gpus": p.meta["gpus_needed"],
-                           "latency_ms": math.nan, "feasible": False})
-        cost["greedy-plus"]["wall_s"] += time.perf_counter() - t
-        t = time.perf_counter()
-        if greedy_p is None:
-            greedy_p = get_policy("greedy").place(wl, pool, ctx)
-        lat, ok = _replay(greedy_p, wl, eval_traffic, c, objective, workers, ray_address)
-        points.append({"method": "greedy", "criterion": c.label, "gpus": len(greedy_p.gpus), "latency_ms": lat,
-                       "feasible": ok and bool(greedy_p.meta["feasible"])})
-        cost["greedy"]["wall_s"] += time.perf_counter() - t
-        if trials > 0:
-            t = time.perf_counter()
-            setup = SearchSetup.build(wl, pool, ctx, c, objective)
-            name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
-            res = run_search(setup, history_ctx or ctx, search_traffic, trials=trials, storage=f"sqlite:///{storage_dir / 'studies.db'}",
-                             study_name=name, seed=criterion_seed(config.seed, i), workers=workers,
-                             ray_address=ray_address,
-                             progress=False)
-            for r in replay_front(res.front, setup, eval_traffic, workers=workers, ray_address=ray_address):
-                points.append({"method": "search", "criterion": c.label, "gpus": r["gpus"],
-                               "latency_ms": r["heldout"], "feasible": r["heldout_feasible"],
-                               "search_latency_ms": r[objective], "trial": r["trial"], "seed": r.get("seed")})
-            cost["search"]["wall_s"] += time.perf_counter() - t
-            cost["search"]["trials"] += res.trials
+    t = time.perf_counter()
+    greedy_p = get_policy("greedy").place(wl, pool, ctx)
+    cost["greedy"]["wall_s"] += time.perf_counter() - t
+    traffic = {"search": search_traffic, "eval": eval_traffic, "history_ctx": history_ctx}
+    runs = [(i, c, conf) for conf in settings for i, c in enumerate(criteria)]
+    for i, c, conf in tqdm(runs, desc="criteria", unit="criterion", disable=not config.progress):
+        points += _sweep_point(c, conf, i, wl, pool, ctx, config, traffic, storage_dir, greedy_p, cost)
     ref = (pool + 1, math.log10(config.ref_latency_ms))
     fronts, hv = {}, {}
-    for m in METHODS:
-        front = pareto_points([p for p in points if p["method"] == m and not math.isnan(p["latency_ms"])])
-        fronts[m] = front
-        hv[m] = hypervolume([(f["gpus"], math.log10(max(f["latency_ms"], 1e-3))) for f in front], ref)
+    confidences = [None if s is None else s.confidence for s in settings]
+    for conf in confidences:
+        for m in METHODS:
+            key = front_key(m, conf)
+            front = pareto_points([p for p in points if p["method"] == m and p["confidence"] == conf
+                                   and not math.isnan(p["latency_ms"])])
+            fronts[key] = front
+            hv[key] = hypervolume([(f["gpus"], math.log10(max(f["latency_ms"], 1e-3))) for f in front], ref)
     return {"points": points, "fronts": fronts, "hypervolume": hv, "cost": cost,
-            "reference": {"gpus": ref[0], "latency_ms": config.ref_latency_ms}, "objective": objective,
-            "criteria": [c.label for c in criteria], "pool": pool, "trials_per_criterion": trials}
+            "reference": {"gpus": ref[0], "latency_ms": config.ref_latency_ms}, "objective": config.objective,
+            "criteria": [c.label for c in criteria], "pool": pool, "trials_per_criterion": config.trials,
+            "confidences": confidences,
+            "confidence_settings": [None if s is None else s.to_dict() for s in settings]}
+
+
+def _step(front: list[dict], pool: int) -> tuple[list, list]:
+    xs = [p["gpus"] for p in front]
+    ys = [p["latency_ms"] for p in front]
+    return xs + [pool + 0.5], ys + [ys[-1]]
 
 
 def plot_fronts(result: dict, path: Path) -> Path:
+    """Every point (dots) and each method's front (a step line; one per confidence, solid for the
+    first, then dashed and dotted, the area between the lowest and the highest confidence's fronts
+    shaded: the band a confidence moves the front in)."""
     import matplotlib  # heavy optional dependency: only when a plot is drawn
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     colors = {"greedy-plus": "C0", "greedy": "C1", "search": "C2"}
+    styles = ("-", "--", ":", "-.")
+    confidences = result.get("confidences", [None])
+    pool = result["pool"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for m in METHODS:
         pts = [p for p in result["points"] if p["method"] == m and not math.isnan(p["latency_ms"])]
         ax.scatter([p["gpus"] + {"greedy-plus": -0.08, "greedy": 0.0, "search": 0.08}[m] for p in pts],
                    [p["latency_ms"] for p in pts], s=14, alpha=0.35, color=colors[m],
                    marker="o", edgecolors="none")
-        f = result["fronts"][m]
-        if f:
-            xs = [p["gpus"] for p in f]
-            ys = [p["latency_ms"] for p in f]
-            ax.step(xs + [result["pool"] + 0.5], ys + [ys[-1]], where="post", color=colors[m], lw=2,
-                    label=f"{m} (HV {result['hypervolume'][m]:.2f})")
+        for j, conf in enumerate(confidences):
+            key = front_key(m, conf)
+            f = result["fronts"][key]
+            if f:
+                xs, ys = _step(f, pool)
+                ax.step(xs, ys, where="post", color=colors[m], lw=2, ls=styles[j % len(styles)],
+                        label=f"{key} (HV {result['hypervolume'][key]:.2f})")
+        ends = [result["fronts"][front_key(m, c)] for c in (confidences[0], confidences[-1])]
+        if len(confidences) > 1 and all(ends):
+            grid = np.arange(1, pool + 1)
+            lo, hi = ([min([p["latency_ms"] for p in f if p["gpus"] <= g], default=np.nan) for g in grid] for f in ends)
+            ax.fill_between(grid, lo, hi, step="post", color=colors[m], alpha=0.12, lw=0)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs")
     ax.set_ylabel(f"{result['objective']} (ms, held-out replay)")
-    ax.set_xticks(range(1, result["pool"] + 1))
-    ax.legend(fontsize=8)
-    ax.set_title("Pareto fronts (lines) and every point (dots)", fontsize=9)
+    ax.set_xticks(range(1, pool + 1))
+    ax.legend(fontsize=7)
+    title = "Pareto fronts (lines) and every point (dots)"
+    if len(confidences) > 1:
+        title += "; band: the front between the lowest and highest confidence"
+    ax.set_title(title, fontsize=8)
     fig.tight_layout()
     atomic_write_figure(path, fig, dpi=120)
     plt.close(fig)
@@ -160,21 +210,31 @@ def plot_fronts(result: dict, path: Path) -> Path:
 
 
 def report_md(result: dict, title: str, command: str) -> str:
+    confs = [c for c in result.get("confidences", [None]) if c is not None]
+    settings = [s for s in result.get("confidence_settings", []) if s]
     lines = [f"# {title}", "", f"Reproduce: `{command}`", "",
              f"Objective {result['objective']} (held-out replay); pool {result['pool']} GPUs; criteria: "
              + "; ".join(result["criteria"]) + f"; search: {result['trials_per_criterion']} trials per criterion.",
              f"Hypervolume on (GPUs, log10 ms) against ({result['reference']['gpus']} GPUs, "
-             f"{result['reference']['latency_ms']:,.0f} ms).", "",
-             "| method | hypervolume | front (GPUs: latency ms) | wall s | trials |", "|---|---|---|---|---|"]
-    for m in METHODS:
-        f = result["fronts"][m]
+             f"{result['reference']['latency_ms']:,.0f} ms)."]
+    if confs:
+        lines.append("Confidences: " + "; ".join(
+            f"C={s['confidence']:g}: a point counts when the twin also serves it at {s['verification_load']:.3f}x the "
+            f"load (real capacity >= {s['capacity_ratio_bound']:.3f} x the twin's, {s['samples']} runs, n={s['n']})"
+            for s in settings) + (" -- and without C: the point estimate" if None in result["confidences"] else "") + ".")
+    lines += ["", "| method | hypervolume | front (GPUs: latency ms) | wall s | trials |", "|---|---|---|---|---|"]
+    for key, f in result["fronts"].items():
         pts = ", ".join(f"{p['gpus']}: {p['latency_ms']:,.0f} ({p['criterion']})" for p in f) or "-"
-        c = result["cost"][m]
-        lines.append(f"| {m} | {result['hypervolume'][m]:.3f} | {pts} | {c['wall_s']:.0f} | {c['trials'] or '-'} |")
-    lines += ["", "## Every point", "", "| method | criterion | GPUs | latency ms | feasible |", "|---|---|---|---|---|"]
+        c = result["cost"][key.split(" @ ")[0]]
+        lines.append(f"| {key} | {result['hypervolume'][key]:.3f} | {pts} | {c['wall_s']:.0f} | {c['trials'] or '-'} |")
+    # the confidence column only where a sweep has one (the point estimate's reports keep their shape)
+    lines += ["", "## Every point", "", "| method | criterion | " + ("confidence | " if confs else "")
+              + "GPUs | latency ms | feasible |", "|---|---|---|" + ("---|" if confs else "") + "---|---|"]
     for p in result["points"]:
         lat = "-" if math.isnan(p["latency_ms"]) else f"{p['latency_ms']:,.0f}"
-        lines.append(f"| {p['method']} | {p['criterion']} | {p['gpus']} | {lat} | {'yes' if p['feasible'] else 'no'} |")
+        conf = ("-" if p.get("confidence") is None else f"{p['confidence']:g}") + " | " if confs else ""
+        lines.append(f"| {p['method']} | {p['criterion']} | {conf}{p['gpus']} | {lat} | "
+                     f"{'yes' if p['feasible'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -203,7 +263,8 @@ def pareto_report(wl: Workload, pool: int, config: ParetoConfig, *, history: str
                      seeds={"evaluation": wl.evaluation.seed, "sampler": config.seed}):
         log_params({"workload": wl.name, "pool": pool, "objective": config.objective,
                            "trials_per_criterion": config.trials,
-                           "criteria": "; ".join(c.label for c in config.criteria)})
+                           "criteria": "; ".join(c.label for c in config.criteria),
+                           "confidences": ", ".join("point" if c is None else f"{c:g}" for c in config.confidences)})
         res = run_pareto(wl, pool, ctx, config, search_traffic=search_traffic, eval_traffic=eval_traffic,
                          storage_dir=out, history_ctx=history_ctx)
         write_outputs(res, out, f"Pareto fronts: {wl.name}", command)

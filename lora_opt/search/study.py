@@ -41,7 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lora_opt.parallel import TaskPool
-from lora_opt.placement.evaluate import GRACE_S, Criterion, evaluate_on_fleet, evaluate_placement, served_ok
+from lora_opt.placement.evaluate import (GRACE_S, Criterion, evaluate_on_fleet, evaluate_placement, served_ok,
+                                        with_evaluation, workload_requests)
 from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies import PlacementContext, get_policy
@@ -104,12 +105,25 @@ def _check_judged_window(window_s: float, what: str, grace_s: float = GRACE_S) -
 
 
 def replay(p: Placement, wl: Workload, traffic: Traffic, *, criterion: Criterion, grace_s: float = GRACE_S,
-           workers: int | None = 1, ray_address: str | None = None, fleet: FleetOptions | None = None) -> dict:
+           workers: int | None = 1, ray_address: str | None = None, fleet: FleetOptions | None = None,
+           load: float = 1.0) -> dict:
     """``evaluate_placement`` on ``traffic`` -- its requests, or the workload's evaluation traffic
     drawn with the traffic's seed; with a ``fleet`` other than static routing of static adapters,
-    ``evaluate_on_fleet`` (the GPUs as one fleet twin, in this process)."""
+    ``evaluate_on_fleet`` (the GPUs as one fleet twin, in this process).  ``load``: the traffic at this x
+    the load, its time compressed by it, bursts included, as greedy-plus verifies -- generated traffic
+    drawn over ``load`` x the window and compressed into it (the same window judged), logged requests
+    compressed (their window shortens)."""
     if traffic.requests is None:
         wl = dataclasses.replace(wl, evaluation=dataclasses.replace(wl.evaluation, seed=traffic.seed))
+    if load != 1.0:
+        if traffic.requests is None:
+            req = workload_requests(with_evaluation(wl, duration_s=traffic.duration_s * load),
+                                    min(g.max_model_len for g in p.gpus))
+            window = traffic.duration_s
+        else:
+            req, window = traffic.requests, traffic.duration_s / load
+        traffic = Traffic(Requests(arrival=np.ascontiguousarray(req.arrival / load), adapter=req.adapter,
+                                   in_len=req.in_len, out_len=req.out_len), window, traffic.seed)
     if fleet is not None and (fleet.router, fleet.adapters) != ("static", "static"):
         return evaluate_on_fleet(p, wl, fleet, requests=traffic.requests, duration_s=traffic.duration_s,
                                  grace_s=grace_s, criterion=criterion)
@@ -136,11 +150,17 @@ class SearchSetup:
     replay), or a router policy and/or on-demand adapters on the fleet twin."""
     deployment: str = DEFAULT_DEPLOYMENT
     """``lora_opt.search.deployments.DEPLOYMENTS``: what a trial's parameters stand for."""
+    confidence: float | None = None
+    """Decisions at this confidence (``lora_opt.placement.confidence``); None: the point estimate."""
+    verify_load: float = 1.0
+    """1 / the error model's capacity-ratio bound at ``confidence`` (1 without one): a trial is feasible only
+    when it does not starve at this x the load either (its latency objective: at the load itself)."""
 
     @classmethod
     def build(cls, wl: Workload, pool: int, ctx: PlacementContext, criterion: Criterion | None = None,
               objective: str = DEFAULT_OBJECTIVE, batch: int = DEFAULT_BATCH, fleet: FleetOptions | None = None,
-              deployment: str = DEFAULT_DEPLOYMENT) -> SearchSetup:
+              deployment: str = DEFAULT_DEPLOYMENT, confidence=None) -> SearchSetup:
+        """``confidence``: a ``lora_opt.placement.confidence.ConfidenceSetting`` (None: the point estimate)."""
         check_deployment(deployment)
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
@@ -154,8 +174,11 @@ class SearchSetup:
                                              e.max_model_len, e.max_num_seqs, AMAX_MAX) for r in set(ranks.tolist())}
         if not isinstance(batch, int) or batch < 1:
             raise ScenarioError(f"batch: must be an integer >= 1, got {batch!r}")
+        bound = confidence.bound if confidence is not None else None
         return cls(wl, pool, priority_order(ranks, rates), caps, criterion or Criterion(rho=wl.rho), objective,
-                   batch=batch, fleet=fleet or FleetOptions(), deployment=deployment)
+                   batch=batch, fleet=fleet or FleetOptions(), deployment=deployment,
+                   confidence=None if bound is None else bound.confidence,
+                   verify_load=1.0 if bound is None else bound.verification_load)
 
     @property
     def label(self) -> str:
@@ -245,12 +268,19 @@ def run_trial(params: dict, setup: SearchSetup, traffic: Traffic) -> dict:
     t0 = time.perf_counter()
     p = decode(params, setup)
     ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s, fleet=setup.fleet)
+    starving = ev["gpus_starving"]
+    if setup.verify_load != 1.0 and not starving and not ev["gpus_failing_startup"]:
+        # at a confidence: no GPU may starve at the verification load either (one that starves at the load
+        # itself needs no second replay)
+        starving = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s,
+                          fleet=setup.fleet, load=setup.verify_load)["gpus_starving"]
     return {"values": [float(len(p.gpus)), objective_value(ev, setup.objective)],
-            "constraints": [float(ev["gpus_starving"]), float(ev["gpus_failing_startup"]),
+            "constraints": [float(starving), float(ev["gpus_failing_startup"]),
                             float(min(ev["unrouted_requests"], 1))],
             "metrics": {"ttft_p99_ms": ev["ttft_ms"]["p99"], "ttft_mean_ms": ev["ttft_ms"]["mean"],
                         "itl_p99_ms": ev["itl_ms"]["p99"], "itl_mean_ms": ev["itl_ms"]["mean"],
                         "throughput_tok_s": ev["throughput_tok_s"], "gpus_starving": ev["gpus_starving"],
+                        "gpus_starving_at_confidence": starving,
                         "gpus_failing_startup": ev["gpus_failing_startup"],
                         **{k: ev[k] for k in ("adapter_loads_cpu", "adapter_loads_disk") if k in ev}},
             "wall_s": time.perf_counter() - t0}
@@ -356,9 +386,16 @@ def open_study(setup: SearchSetup, storage: str, study_name: str | None, seed: i
     import optuna  # heavy optional dependency: only when a study runs
 
     name = study_name or (f"{setup.workload.name or 'workload'}-{setup.pool}gpus-{setup.objective}"
-                          + study_suffix(setup.deployment, setup.fleet.router, setup.fleet.adapters))
+                          + study_suffix(setup.deployment, setup.fleet.router, setup.fleet.adapters)
+                          + ("" if setup.confidence is None else f"-C{setup.confidence:g}"))
     study = optuna.create_study(study_name=name, storage=open_storage(storage), sampler=batch_sampler(seed, 0),
                                 directions=["minimize", "minimize"], load_if_exists=True)
+    stored = study.user_attrs.get("verify_load", 1.0 if study.get_trials(deepcopy=False) else None)  # one load a study
+    if stored is not None and abs(float(stored) - setup.verify_load) > 1e-9:
+        raise ScenarioError(f"study {name!r}: its trials were judged at {float(stored):.3f}x the load, this run "
+                            f"asks {setup.verify_load:.3f}x (another --confidence or error model); give another --study")
+    if stored is None:                   # a new study (older stored ones were judged at 1x)
+        study.set_user_attr("verify_load", setup.verify_load)
     study.set_metric_names(["gpus", setup.objective])
     return study, name
 
@@ -454,7 +491,7 @@ def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, t
     storage = storage or "sqlite:///lora-opt-search.db"
     with optuna_quiet(), tqdm(total=trials, desc="search: greedy seeds", unit="trial", disable=not progress) as bar:
         study, study_name = open_study(setup, storage, study_name, seed)
-        stale = stale_batch(study)
+        stale = [(t, suggest(t, setup)) for t, _ in stale_batch(study)]   # killed mid-ask: asks what is missing
         if seeds:
             enqueue_seeds(study, setup, ctx)
         done0 = finished_trials(study)
@@ -523,12 +560,24 @@ def replay_front(front: list[dict], setup: SearchSetup, traffic: Traffic, *, wor
     out = []
     for f in front:
         p = decode(f["params"], setup)
-        ev = replay(p, setup.workload, traffic, criterion=setup.criterion, grace_s=setup.grace_s, workers=workers,
-                    ray_address=ray_address, fleet=setup.fleet)
+        lat, ok = heldout_verdict(p, setup.workload, traffic, setup, workers=workers, ray_address=ray_address)
         out.append({**f, "deployment": setup.deployment, "router": setup.fleet.router,
-                    "adapters": setup.fleet.adapters, "heldout": objective_value(ev, setup.objective), "heldout_feasible": served_ok(ev),
-                    "placement": p})
+                    "adapters": setup.fleet.adapters, "heldout": lat, "heldout_feasible": ok,
+                    "confidence": setup.confidence, "placement": p})
     return out
+
+
+def heldout_verdict(p: Placement, wl: Workload, traffic: Traffic, setup: SearchSetup, *, workers: int | None = None,
+                    ray_address: str | None = None) -> tuple[float, bool]:
+    """(the objective on ``traffic``, feasible there) -- at a confidence, feasible also at the setup's
+    verification load, as the trials were judged."""
+    kw = dict(criterion=setup.criterion, grace_s=setup.grace_s, workers=workers, ray_address=ray_address,
+              fleet=setup.fleet)
+    ev = replay(p, wl, traffic, **kw)
+    ok = served_ok(ev)
+    if ok and setup.verify_load != 1.0:
+        ok = served_ok(replay(p, wl, traffic, load=setup.verify_load, **kw))
+    return objective_value(ev, setup.objective), ok
 
 
 def merge_fronts(rows: list[dict], objective: str) -> list[dict]:

@@ -19,6 +19,7 @@ import numpy as np
 from lora_opt.errors import InputError
 from lora_opt.surrogates import model_files
 from lora_opt.surrogates.features import FEATURES
+from lora_opt.surrogates.intervals import interval
 from twin.errors import ScenarioError
 
 #: the file of each oracle kind in a surrogate directory (``lora-opt train`` writes both)
@@ -76,6 +77,21 @@ class Surrogate(Oracle):
             self._lean = LeanHeads.build(self.regressor, self.classifier, len(self.feature_names))
         thr, p = self._lean.predict(A)
         return np.maximum(thr, 0.0), p < self.threshold, p
+
+    @property
+    def intervals(self) -> dict | None:
+        """The split-conformal quantiles stored at training (``lora_opt.surrogates.intervals``), or None."""
+        iv = self.metadata.get("intervals")
+        return iv if isinstance(iv, dict) and iv.get("quantiles") else None
+
+    def throughput_interval(self, X, confidence: float) -> tuple[np.ndarray, np.ndarray]:
+        """(lower, upper) throughput (tok/s) at ``confidence`` around the prediction for rows X: the
+        twin's throughput lies inside with probability >= confidence (split conformal, measured
+        coverage in the manifest).  InputError for a surrogate trained without intervals."""
+        if self.intervals is None:
+            raise InputError("this surrogate has no throughput intervals: train it again, or add them with "
+                             "lora-opt train --intervals-only --dataset DIR --out SURROGATE_DIR")
+        return interval(self.predict(X)[0], self.intervals, confidence)
 
     def save(self, directory) -> Path:
         """Write ``surrogate.skops`` + ``surrogate.json`` into ``directory`` (see

@@ -35,8 +35,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_text
-from lora_opt.surrogates import distill, registry
+from lora_opt.surrogates import distill, model_files, registry
+from lora_opt.surrogates.intervals import MIN_CALIBRATION_ROWS, conformalize, held_out_regression
 from lora_opt.surrogates.features import FEATURES
 from lora_opt.smape import smape
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates, measure_latency
@@ -44,7 +46,7 @@ from lora_opt.surrogates.oracle import ORACLE_FILES, Surrogate
 from lora_opt.surrogates.paper_ng import paper_ng_model
 from lora_opt.surrogates.reporting import (log_distilled, log_training_run, plot_confusion, plot_pred_vs_real,
                                            write_json)
-from lora_opt.surrogates.training_data import TrainingData, load_dataset_dir, prepare
+from lora_opt.surrogates.training_data import TrainingData, label_rows, load_dataset_dir, prepare
 from twin.errors import ScenarioError
 
 FAMILIES = ("rf", "knn", "svm")
@@ -310,6 +312,10 @@ def train_surrogates(df, out_dir, *, models=FAMILIES, cv: int = 5, seed: int = 0
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "metrics": {"regressor": metrics["regressor"][best_reg],
                                  "classifier": metrics["classifier"][best_clf]}})
+    # split-conformal intervals of the chosen regressor, on held-out rows only (calibrate / cover halves)
+    X_held, y_held = held_out_regression(data)
+    if len(y_held) >= 2 * MIN_CALIBRATION_ROWS:
+        metrics["intervals"] = sur.metadata["intervals"] = conformalize(sur.predict(X_held)[0], y_held, seed=seed)
     test = data.test[data.measured[data.test]]
     plot_pred_vs_real(sur.regressor.predict(data.X[test]), data.throughput[test], data.starving[test],
                       out_dir / "plots" / "throughput_pred_vs_real.png")
@@ -369,3 +375,45 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     if track:
         log_distilled(metrics["mlflow"], report, out_dir, (ORACLE_FILES["distilled"], "rules.txt", "metrics.json"))
     return metrics
+
+
+def add_intervals(surrogate_dir, dataset_dirs, *, seed: int = 0) -> dict:
+    """``lora-opt train --intervals-only``: conformalize an already trained surrogate, store the quantiles
+    in its manifest and ``metrics.json``; the models themselves are not touched.  ``dataset_dirs``: the
+    dataset it was trained on (its hash equals the one the surrogate records: the held-out split
+    ``lora-opt train`` made is used) or a **held-apart** dataset of the same profile, labelled on points
+    it was not trained on (``configs/grids/heldapart.yaml``: every regression row is used).  The
+    intervals (``conformalize``'s dict, with ``rows_from``)."""
+    import pandas as pd  # heavy optional dependency: only when training
+
+    sur = Surrogate.load(surrogate_dir)
+    dirs = [dataset_dirs] if isinstance(dataset_dirs, (str, Path)) else list(dataset_dirs)
+    frames = [load_dataset_dir(d)[0] for d in dirs]
+    df = pd.concat([f.assign(dataset=k) for k, f in enumerate(frames)], ignore_index=True) if len(frames) > 1 \
+        else frames[0]
+    data = prepare(df, seed=seed)
+    where = Path(model_files.manifest_path(surrogate_dir)).parent
+    summary = where / "dataset_summary.json"
+    trained_profile = json.loads(summary.read_text()).get("profile") if summary.is_file() else None
+    profiles = sorted(set(df["profile"].astype(str))) if "profile" in df.columns else []
+    if trained_profile and profiles and profiles != [trained_profile]:
+        raise InputError(f"--dataset {', '.join(map(str, dirs))}: labelled for {', '.join(profiles)}; the surrogate in "
+                         f"{surrogate_dir} answers for {trained_profile}")
+    if sur.metadata.get("dataset_hash") == data.dataset_hash:
+        X, y = held_out_regression(data)
+        rows_from = f"the held-out split of its training dataset ({data.dataset_hash})"
+    else:
+        _, X, y, _, measured = label_rows(df)
+        X, y = X[measured], y[measured]
+        rows_from = f"a held-apart dataset ({data.dataset_hash}: {', '.join(str(Path(d)) for d in dirs)})"
+    result = {**conformalize(sur.predict(X)[0], y, seed=seed), "rows_from": rows_from}
+    path = model_files.manifest_path(surrogate_dir)
+    manifest = model_files.read_manifest(path)
+    manifest.setdefault("metadata", {})["intervals"] = result
+    atomic_write_text(path, json.dumps(manifest, indent=1))
+    metrics = where / "metrics.json"
+    if metrics.is_file():
+        m = json.loads(metrics.read_text())
+        m["intervals"] = result
+        write_json(metrics, m)
+    return result
