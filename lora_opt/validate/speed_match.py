@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from lora_opt.io import atomic_write_text
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload
 from lora_opt.validate.retwin import retwin
@@ -62,7 +63,7 @@ def twin_at_speed(run_dir: str | Path, p: Placement, wl: Workload, factor: float
     """The stored run's comparison with the twin whose step times are x ``factor`` (and ``latency``'s
     fields set: ``scaled_profile``); nothing written into ``run_dir``."""
     path = workdir / f"profile-x{factor:.6f}-{len(latency or {})}.yaml"
-    path.write_text(yaml.safe_dump(scaled_profile(p.profile, factor, latency), sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(scaled_profile(p.profile, factor, latency), sort_keys=False))
     p2 = dataclasses.replace(p, profile=str(path))
     wl2 = dataclasses.replace(wl, profile=str(path))
     return retwin(run_dir, p2, wl2, write=False)["comparison"]
