@@ -243,6 +243,14 @@ def test_router_in_front_of_an_instance_that_is_killed(router, instance):
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
         ids = [m["id"] for m in c.get(front + "/v1/models").json()["data"]]
         assert ids == ["meta-llama/Llama-3.1-8B-Instruct", "ad0"]       # the instance's cards, base first
+        # every answer ended leaves the router's in-flight count (streams too: least-requests reads it, and a
+        # drain waits on it -- it once never came down for a stream)
+        with c.stream("POST", front + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+            assert r.status_code == 200 and r.read().endswith(b"data: [DONE]\n\n")
+        deadline = time.time() + 5
+        while c.get(front + "/router/routes").json()["in_flight"][endpoint] and time.time() < deadline:
+            time.sleep(0.02)
+        assert c.get(front + "/router/routes").json()["in_flight"] == {endpoint: 0}
         # killed mid-stream: the client's stream still ends with an error event and [DONE]
         with c.stream("POST", front + "/v1/completions", json={**COMPLETION, "max_tokens": 3000,
                                                                "ignore_eos": True, "stream": True}) as r:
@@ -274,3 +282,32 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it_on_the_instance(r
         while c.get(stats).json()["open_requests"] and time.time() < deadline:
             time.sleep(0.05)
         assert c.get(stats).json()["open_requests"] == 0
+
+
+def test_a_retired_instance_gets_nothing_more_and_its_routes_go_to_the_others(router):
+    """``RouteTable.retire`` (a drain's first step): routed adapters lose it as a candidate (the static
+    weights renormalised over the rest), models no policy routes are never drawn to it, an adapter it was
+    the only instance of is unrouted (and said); a route to it again makes it live again.  Over HTTP:
+    ``POST /router/retire`` and ``GET /router/routes``' ``in_flight`` and ``retired``."""
+    from lora_opt.errors import InputError
+    a, b, c = (f"http://127.0.0.1:{p}/v1" for p in (9101, 9102, 9103))
+    t = RouteTable({"x": [{"endpoint": a, "weight": 3.0}, {"endpoint": b, "weight": 1.0}],
+                    "y": [{"endpoint": c, "weight": 1.0}]}, seed=4)
+    assert t.retire(a) == {"endpoint": a, "in_flight": 0, "unrouted": []}
+    assert t.table()["x"] == [{"endpoint": b, "weight": 1.0}]
+    picks = [t.pick("x") for _ in range(50)] + [t.pick(None) for _ in range(200)] + [t.pick("base") for _ in range(50)]
+    assert a not in picks and {b, c} <= set(picks)
+    assert t.retire(c)["unrouted"] == ["y"] and "y" not in t.table()      # its only instance: y is unrouted
+    with pytest.raises(InputError, match="not an instance"):
+        t.retire("http://127.0.0.1:1/v1")
+    t.reroute({"z": [{"endpoint": a, "weight": 1.0}]})
+    assert t.retired == {2} and t.pick("z") == a
+    r = router({"x": [{"endpoint": a, "weight": 1.0}, {"endpoint": b, "weight": 1.0}]})
+    with _client() as cl:
+        assert cl.post(r.url + "/router/retire", json={"endpoint": b}).json() == {"endpoint": b, "in_flight": 0,
+                                                                                    "unrouted": []}
+        doc = cl.get(r.url + "/router/routes").json()
+        assert doc["retired"] == [b] and doc["in_flight"] == {a: 0, b: 0} and doc["routes"]["x"][0]["endpoint"] == a
+        assert cl.post(r.url + "/router/retire", content=b"[").status_code == 400
+        resp = cl.post(r.url + "/router/retire", json={"endpoint": "http://127.0.0.1:1/v1"})
+        assert resp.status_code == 400 and "not an instance" in resp.json()["error"]["message"]

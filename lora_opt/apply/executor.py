@@ -10,8 +10,10 @@ Each step is what ``lora_opt.placement.replan_steps`` wrote, done the way vLLM t
   as ``lora-opt probe --launch`` does);
 * ``route``: ``POST /router/routes`` on the router (lora-opt's emulate router; another router's
   table is the operator's to switch, and the step fails saying so);
-* ``drain``: ``/metrics`` polled until ``vllm:num_requests_running + vllm:num_requests_waiting``
-  is 0 on two reads in a row;
+* ``drain``: with a router, first ``POST /router/retire`` (it sends the instance nothing more, routed or
+  not) and ``GET /router/routes`` polled until its ``in_flight`` to the instance is 0 -- a request the
+  router picked it for may not have reached it yet, which ``/metrics`` cannot see --; then ``/metrics``
+  polled until ``vllm:num_requests_running + vllm:num_requests_waiting`` is 0 on two reads in a row;
 * ``stop``: an instance this executor launched is terminated; an emulated one gets ``POST
   /emulator/shutdown``; any other is left running for its operator (it has no traffic now).
 
@@ -245,6 +247,10 @@ class PlanExecutor:
 
     async def _drain(self, client, url: str) -> tuple[str, str]:
         t = time.perf_counter()
+        if self.opts.router:
+            why = await self._retire(client, url, t)
+            if why:
+                return "failed", why
         zero_reads = 0
         while time.perf_counter() - t < self.opts.drain_timeout_s:
             r = await client.get(f"{url}/metrics", timeout=CALL_TIMEOUT_S)
@@ -256,6 +262,27 @@ class PlanExecutor:
                 return "ok", f"empty after {time.perf_counter() - t:.2f} s"
             await asyncio.sleep(self.opts.poll_s)
         return "failed", f"still serving after {self.opts.drain_timeout_s:g} s"
+
+    async def _retire(self, client, url: str, t: float) -> str:
+        """The router sends nothing more to ``url`` (``POST /router/retire``) and every request it sent there
+        has ended (``in_flight`` 0): only then can ``/metrics`` say the instance is empty -- a request the
+        router picked it for may not have reached it yet.  '' when done, else why not."""
+        router = self.opts.router.rstrip("/")
+        endpoint = url.rstrip("/") + "/v1"
+        r = await client.post(f"{router}/router/retire", json={"endpoint": endpoint}, timeout=CALL_TIMEOUT_S)
+        if r.status_code != 200:
+            return f"the router would not retire {endpoint}: HTTP {r.status_code}: {r.text.strip()[:200]}"
+        # adapters only it served: fine for tenants the new placement dropped, a wrong plan for any it keeps
+        kept = sorted(set(r.json().get("unrouted", [])) & {a.id for a in self.placement.adapters})
+        if kept:
+            return (f"{endpoint} was the router's only instance of {', '.join(kept[:5])}, which the new placement "
+                    "keeps: their requests have nowhere to go")
+        while time.perf_counter() - t < self.opts.drain_timeout_s:
+            r = await client.get(f"{router}/router/routes", timeout=CALL_TIMEOUT_S)
+            if r.status_code == 200 and not r.json().get("in_flight", {}).get(endpoint, 0):
+                return ""
+            await asyncio.sleep(self.opts.poll_s)
+        return f"the router still had requests in flight to {endpoint} after {self.opts.drain_timeout_s:g} s"
 
     async def _stop(self, client, name: str) -> tuple[str, str]:
         srv = self.launched.get(name)

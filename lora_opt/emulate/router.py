@@ -104,6 +104,8 @@ class RouteTable:
                               [frozenset()] * n, [frozenset()] * n, np.zeros(n, np.int64))
         self.connecting = np.zeros(n, np.int64)
         """Per instance: requests sent whose response has not begun (the instance has not taken them yet)."""
+        self.retired: set[int] = set()
+        """Instances being drained (``retire``): no request is sent to them any more, routed or not."""
         self.engines = None
         if engines is not None:
             if len(engines) != n:
@@ -175,6 +177,8 @@ class RouteTable:
             v.running_adapters = list(v.running_adapters) + [frozenset()] * grow
             v.waiting_adapters = list(v.waiting_adapters) + [frozenset()] * grow
         index = {ep: k for k, ep in enumerate(self.endpoints)}
+        # an endpoint routed to again is live again (a later launch on a retired instance's address)
+        self.retired -= {index[ep] for rs in parsed.values() for ep, _ in rs}
         weights = getattr(self.policy, "routes", None)
         for a, rs in parsed.items():
             if a not in self.adapter_index:
@@ -192,6 +196,36 @@ class RouteTable:
                     weights.pop(k, None)
         return {"adapters": len(parsed), "new_endpoints": added}
 
+    def retire(self, endpoint: str) -> dict:
+        """Send nothing more to ``endpoint`` (a drain before its instance stops): it leaves the candidates
+        of every adapter and the draw of models no policy routes.  Its requests in flight finish.  An
+        adapter it was the only instance of is unrouted from now on (listed in ``unrouted``: the caller
+        judges whether that adapter still has demand).  ({"endpoint", "in_flight", "unrouted"})"""
+        ep = endpoint.rstrip("/")
+        if ep not in self.endpoints:
+            raise InputError(f"retire: {ep} is not an instance of the fleet ({', '.join(self.endpoints)})")
+        e = self.endpoints.index(ep)
+        self.retired.add(e)
+        weights = getattr(self.policy, "routes", None)
+        unrouted = []
+        for a, c in list(self.candidates.items()):
+            if e not in c.tolist():
+                continue
+            keep = c[c != e]
+            if keep.size:
+                self.candidates[a] = keep
+            else:
+                self.candidates.pop(a)
+                unrouted.append(self.adapter_ids[a])
+            if weights is not None and a in weights:          # the static policy's weights, renormalised
+                engines, cw = weights[a]
+                on = engines != e
+                if on.any():
+                    weights[a] = (engines[on], np.cumsum(np.diff(cw, prepend=0.0)[on]))
+                else:
+                    weights.pop(a)
+        return {"endpoint": ep, "in_flight": int(self.view.in_flight[e]), "unrouted": sorted(unrouted)}
+
     def pick(self, model: str | None) -> str:
         """The endpoint of ``model``'s next request (counted in flight: call :meth:`done` at its end)."""
         return self.endpoints[self.pick_engine(model)]
@@ -199,9 +233,11 @@ class RouteTable:
     def pick_engine(self, model: str | None) -> int:
         a = self.adapter_index.get(model) if model is not None else None
         if a is None or a not in self.candidates:
-            if not self.endpoints:
+            live = [k for k in range(len(self.endpoints)) if k not in self.retired]
+            if not live:
                 raise gateway_error(503, "the router has no instance to send the request to (empty route table)")
-            e = int(self.rng.integers(len(self.endpoints)))
+            k = int(self.rng.integers(len(live)))
+            e = live[k]
         else:
             reads = self.policy.reads_state
             e = self.policy.pick(self.requests, a, self.candidates[a], self.view if reads else None)
@@ -275,7 +311,11 @@ async def relay_events(resp, endpoint: str, read_timeout_s: float | None, on_end
     except (httpx.HTTPError, OSError) as exc:
         yield error_event(upstream_error(exc, endpoint, read_timeout_s))
     finally:                                    # also when the client went away: close the upstream
-        await resp.aclose()
+        try:
+            await resp.aclose()
+        finally:
+            if on_end is not None:              # the stream is over: it leaves the in-flight count
+                on_end()
 
 
 async def until_client_gone(request) -> None:
@@ -290,16 +330,31 @@ async def until_client_gone(request) -> None:
 def add_route_admin(app, table: RouteTable) -> None:
     """The router's own administration (not vLLM's API), what ``lora-opt apply``'s route steps
     call: ``GET /router/routes`` (policy, endpoints, the table as it stands, and per endpoint the
-    requests sent that it has not answered yet: ``connecting``) and ``POST
-    /router/routes`` with ``{"routes": {adapter id: [{endpoint, weight}]}}`` (:meth:`RouteTable.reroute`;
-    400 for a malformed table, 409 for a policy whose routes cannot change while it runs)."""
+    requests sent that it has not answered yet: ``connecting``, those whose response has not ended:
+    ``in_flight``, and the ``retired`` endpoints), ``POST /router/routes`` with ``{"routes": {adapter id:
+    [{endpoint, weight}]}}`` (:meth:`RouteTable.reroute`; 400 for a malformed table, 409 for a policy
+    whose routes cannot change while it runs) and ``POST /router/retire`` with ``{"endpoint": URL}``
+    (:meth:`RouteTable.retire`: nothing more is sent to it; the adapters left without an instance)."""
     from fastapi import Request
     from starlette.responses import JSONResponse
 
     @app.get("/router/routes")
     async def routes():
         return {"policy": table.policy.name, "endpoints": list(table.endpoints), "routes": table.table(),
-                "connecting": dict(zip(table.endpoints, table.connecting.tolist()))}
+                "connecting": dict(zip(table.endpoints, table.connecting.tolist())),
+                "in_flight": dict(zip(table.endpoints, table.view.in_flight.tolist())),
+                "retired": [table.endpoints[e] for e in sorted(table.retired)]}
+
+    @app.post("/router/retire")
+    async def retire(request: Request):
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str):
+                raise InputError('expected {"endpoint": URL}')
+            return table.retire(body["endpoint"])
+        except (ValueError, RecursionError) as exc:       # InputError is a ValueError
+            e = APIError(400, str(exc) if isinstance(exc, InputError) else "the body is not JSON", "Bad Request")
+            return JSONResponse(e.body(), status_code=e.status)
 
     @app.post("/router/routes")
     async def reroute(request: Request):
