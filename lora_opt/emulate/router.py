@@ -345,29 +345,28 @@ def add_route_admin(app, table: RouteTable) -> None:
                 "in_flight": dict(zip(table.endpoints, table.view.in_flight.tolist())),
                 "retired": [table.endpoints[e] for e in sorted(table.retired)]}
 
-    @app.post("/router/retire")
-    async def retire(request: Request):
+    async def admin_call(request: Request, key: str, kind: type, expected: str, call):
+        """A POST of the router's administration: ``{key: <kind>}`` -> ``call(value)``; 400 for a body that is
+        not that (409 for routes a running policy cannot change)."""
         try:
             body = json.loads(await request.body())
-            if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str):
-                raise InputError('expected {"endpoint": URL}')
-            return table.retire(body["endpoint"])
-        except (ValueError, RecursionError) as exc:       # InputError is a ValueError
-            e = APIError(400, str(exc) if isinstance(exc, InputError) else "the body is not JSON", "Bad Request")
-            return JSONResponse(e.body(), status_code=e.status)
-
-    @app.post("/router/routes")
-    async def reroute(request: Request):
-        try:
-            body = json.loads(await request.body())
-            if not isinstance(body, dict) or not isinstance(body.get("routes"), dict):
-                raise InputError('expected {"routes": {adapter id: [{"endpoint": URL, "weight": w}]}}')
-            return table.reroute(body["routes"])
+            if not isinstance(body, dict) or not isinstance(body.get(key), kind):
+                raise InputError(f"expected {expected}")
+            return call(body[key])
         except (ValueError, RecursionError) as exc:       # InputError is a ValueError
             status = 409 if isinstance(exc, InputError) and "cannot change" in str(exc) else 400
             e = APIError(status, str(exc) if isinstance(exc, InputError) else "the body is not JSON",
                          HTTPStatus(status).phrase)
             return JSONResponse(e.body(), status_code=e.status)
+
+    @app.post("/router/retire")
+    async def retire(request: Request):
+        return await admin_call(request, "endpoint", str, '{"endpoint": URL}', table.retire)
+
+    @app.post("/router/routes")
+    async def reroute(request: Request):
+        return await admin_call(request, "routes", dict, '{"routes": {adapter id: [{"endpoint": URL, "weight": w}]}}',
+                                table.reroute)
 
 
 def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
