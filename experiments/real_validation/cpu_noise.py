@@ -119,11 +119,9 @@ def stage_speed(out: Path, half: str) -> dict:
     no_front: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k in repeats:
-            for n in WORKLOADS:
-                key = f"{n}-{half}-{k}"
-                if key not in done or not done[key].get("comparison"):
-                    continue
-                run, p, wl = _run_files(out, n, half, k)
+            runs = {n: _run_files(out, n, half, k) for n in WORKLOADS
+                    if done.get(f"{n}-{half}-{k}", {}).get("comparison")}
+            for n, (run, p, wl) in runs.items():
                 s, comp = speed_factor(run, p, wl)
                 factors.setdefault(n, {})[k] = s
                 matched.setdefault(n, []).append(comp)
@@ -131,11 +129,9 @@ def stage_speed(out: Path, half: str) -> dict:
                 no_front.setdefault(n, []).append(twin_at_speed(run, p, wl, s, Path(tmp), FRONT_END_OFF))
                 print(f"-- {n} repeat {k}: step-time factor {s:.3f}", flush=True)
             light = factors.get("light", {}).get(k)
-            for n in WORKLOADS:
-                key = f"{n}-{half}-{k}"
-                if light is None or key not in done or not done[key].get("comparison"):
-                    continue
-                run, p, wl = _run_files(out, n, half, k)
+            if light is None:
+                continue
+            for n, (run, p, wl) in runs.items():
                 at_light.setdefault(n, []).append(twin_at_speed(run, p, wl, light, Path(tmp)))
     result = {"factors": factors, "matched": {n: noise_table(c) for n, c in matched.items() if len(c) >= 2},
               "at_light_speed": {n: noise_table(c) for n, c in at_light.items() if len(c) >= 2},

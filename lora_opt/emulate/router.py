@@ -129,7 +129,8 @@ class RouteTable:
 
     def table(self) -> dict:
         """The routes as they stand: adapter id -> [{endpoint, weight}] (``router.json``'s shape;
-        the candidates with equal weights where the policy keeps no weights)."""
+        the candidates with equal weights where the policy keeps no weights; a weighted endpoint that is
+        no candidate any more -- retired -- left out, as the static policy leaves it out of its draw)."""
         weights = getattr(self.policy, "routes", None)
         out = {}
         for a, k in self.adapter_index.items():
@@ -138,7 +139,9 @@ class RouteTable:
             if weights is not None and k in weights:
                 engines, cw = weights[k]
                 ws = np.diff(cw, prepend=0.0)
-                out[a] = [{"endpoint": self.endpoints[e], "weight": float(w)} for e, w in zip(engines.tolist(), ws)]
+                on = np.isin(engines, self.candidates[k])
+                out[a] = [{"endpoint": self.endpoints[e], "weight": float(w)}
+                          for e, w in zip(engines[on].tolist(), ws[on])]
             else:
                 out[a] = [{"endpoint": self.endpoints[e], "weight": 1.0} for e in self.candidates[k].tolist()]
         return out
@@ -206,8 +209,9 @@ class RouteTable:
             raise InputError(f"retire: {ep} is not an instance of the fleet ({', '.join(self.endpoints)})")
         e = self.endpoints.index(ep)
         self.retired.add(e)
-        weights = getattr(self.policy, "routes", None)
         unrouted = []
+        # out of the candidates is out of every policy's choice (the static one renormalises its weights over
+        # the candidates left, as for an engine that is down)
         for a, c in list(self.candidates.items()):
             if e not in c.tolist():
                 continue
@@ -217,13 +221,6 @@ class RouteTable:
             else:
                 self.candidates.pop(a)
                 unrouted.append(self.adapter_ids[a])
-            if weights is not None and a in weights:          # the static policy's weights, renormalised
-                engines, cw = weights[a]
-                on = engines != e
-                if on.any():
-                    weights[a] = (engines[on], np.cumsum(np.diff(cw, prepend=0.0)[on]))
-                else:
-                    weights.pop(a)
         return {"endpoint": ep, "in_flight": int(self.view.in_flight[e]), "unrouted": sorted(unrouted)}
 
     def pick(self, model: str | None) -> str:
@@ -233,11 +230,12 @@ class RouteTable:
     def pick_engine(self, model: str | None) -> int:
         a = self.adapter_index.get(model) if model is not None else None
         if a is None or a not in self.candidates:
-            live = [k for k in range(len(self.endpoints)) if k not in self.retired]
-            if not live:
+            live = [k for k in range(len(self.endpoints)) if k not in self.retired] if self.retired else None
+            n = len(self.endpoints) if live is None else len(live)
+            if not n:
                 raise gateway_error(503, "the router has no instance to send the request to (empty route table)")
-            k = int(self.rng.integers(len(live)))
-            e = live[k]
+            e = int(self.rng.integers(n))
+            e = e if live is None else live[e]
         else:
             reads = self.policy.reads_state
             e = self.policy.pick(self.requests, a, self.candidates[a], self.view if reads else None)

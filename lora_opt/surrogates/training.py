@@ -333,6 +333,19 @@ def train_surrogates(df, out_dir, *, models=FAMILIES, cv: int = 5, seed: int = 0
     return result
 
 
+def read_datasets(dataset_dir) -> tuple:
+    """(rows of one dataset directory or of several concatenated in order -- each tagged with its index in a
+    ``dataset`` column --, the directories)."""
+    import pandas as pd  # heavy optional dependency: only when training
+
+    dirs = [dataset_dir] if isinstance(dataset_dir, (str, Path)) else list(dataset_dir)
+    frames = []
+    for k, d in enumerate(dirs):
+        part, _ = load_dataset_dir(d)
+        frames.append(part.assign(dataset=k) if len(dirs) > 1 else part)
+    return (pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]), dirs
+
+
 def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool = False, *,
               seed: int = 0, track: bool = True, progress: bool = False) -> dict:
     """``lora-opt train``: read the Parquet dataset(s) (one directory or a list, concatenated in
@@ -343,14 +356,7 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     # progress: one step for reading, one per fit (2 heads x families), NG model + plots + MLflow, distillation
     bar = tqdm(total=2 * len(FAMILIES) + 3, desc="train", unit="step", disable=not progress)
     bar.set_postfix_str("reading the dataset")
-    import pandas as pd  # heavy optional dependency: only when training
-
-    dirs = [dataset_dir] if isinstance(dataset_dir, (str, Path)) else list(dataset_dir)
-    frames = []
-    for k, d in enumerate(dirs):
-        part, _ = load_dataset_dir(d)
-        frames.append(part.assign(dataset=k) if len(dirs) > 1 else part)
-    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    df, dirs = read_datasets(dataset_dir)
     out_dir = Path(out_dir)
     bar.update()
     res = train_surrogates(df, out_dir, tracking_uri=tracking_uri, fast=fast, seed=seed, track=track, bar=bar)
@@ -384,15 +390,11 @@ def add_intervals(surrogate_dir, dataset_dirs, *, seed: int = 0) -> dict:
     ``lora-opt train`` made is used) or a **held-apart** dataset of the same profile, labelled on points
     it was not trained on (``configs/grids/heldapart.yaml``: every regression row is used).  The
     intervals (``conformalize``'s dict, with ``rows_from``)."""
-    import pandas as pd  # heavy optional dependency: only when training
-
     sur = Surrogate.load(surrogate_dir)
-    dirs = [dataset_dirs] if isinstance(dataset_dirs, (str, Path)) else list(dataset_dirs)
-    frames = [load_dataset_dir(d)[0] for d in dirs]
-    df = pd.concat([f.assign(dataset=k) for k, f in enumerate(frames)], ignore_index=True) if len(frames) > 1 \
-        else frames[0]
+    df, dirs = read_datasets(dataset_dirs)
     data = prepare(df, seed=seed)
-    where = Path(model_files.manifest_path(surrogate_dir)).parent
+    path = model_files.manifest_path(surrogate_dir)
+    where = Path(path).parent
     summary = where / "dataset_summary.json"
     trained_profile = json.loads(summary.read_text()).get("profile") if summary.is_file() else None
     profiles = sorted(set(df["profile"].astype(str))) if "profile" in df.columns else []
@@ -407,7 +409,6 @@ def add_intervals(surrogate_dir, dataset_dirs, *, seed: int = 0) -> dict:
         X, y = X[measured], y[measured]
         rows_from = f"a held-apart dataset ({data.dataset_hash}: {', '.join(str(Path(d)) for d in dirs)})"
     result = {**conformalize(sur.predict(X)[0], y, seed=seed), "rows_from": rows_from}
-    path = model_files.manifest_path(surrogate_dir)
     manifest = model_files.read_manifest(path)
     manifest.setdefault("metadata", {})["intervals"] = result
     atomic_write_text(path, json.dumps(manifest, indent=1))
