@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lora_opt.emulate.router import RouteTable, build_router_app, model_of
+from lora_opt.placement.router_config import HealthChecks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "llama-3.1-8b-h100-64gb"
@@ -39,11 +40,13 @@ def _client(timeout: float = 30.0):
 class Router:
     """``build_router_app`` served by uvicorn in a thread on a free port."""
 
-    def __init__(self, table: dict, **kw):
+    def __init__(self, table: dict, health: HealthChecks | None = None, policy: str = "static", **kw):
         import uvicorn
         self.port = _free_port()
-        config = uvicorn.Config(build_router_app(RouteTable(table), **kw), host="127.0.0.1", port=self.port,
-                                log_level="critical", lifespan="off", timeout_graceful_shutdown=1)
+        # no health checks unless asked: a dead instance stays a 502 (the gateway's own errors)
+        self.table = RouteTable(table, policy=policy, health=health or HealthChecks(interval_s=0))
+        config = uvicorn.Config(build_router_app(self.table, **kw), host="127.0.0.1", port=self.port,
+                                log_level="critical", lifespan="on", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

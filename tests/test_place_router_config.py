@@ -43,7 +43,9 @@ def test_vllm_router_only_for_every_adapter_on_every_gpu():
     wl = workload_from_dict({"profile": P, "adapters": [{"count": 4, "rank": 8, "rate": 0.5}]})
     argv = vllm_router_command(every_gpu_placement(wl, load_profile(P), 2, 4), "power-of-two")
     assert argv == ["vllm-router", "--host", "127.0.0.1", "--port", "30000", "--worker-urls", "http://127.0.0.1:8000",
-                    "http://127.0.0.1:8001", "--policy", "power_of_two"]
+                    "http://127.0.0.1:8001", "--policy", "power_of_two", "--health-check-endpoint", "/health",
+                    "--health-check-interval-secs", "2", "--health-check-timeout-secs", "2",
+                    "--health-failure-threshold", "3", "--health-success-threshold", "2", "--retry-max-retries", "2"]
     with pytest.raises(PlacementError, match="4 adapter.*on only some GPUs"):
         vllm_router_command(_placement(), "round-robin")
     with pytest.raises(PlacementError, match="allowed values: round-robin, power-of-two, consistent-hash"):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from lora_opt.cli.conventions import SCRAPE_DEFAULT_S, finite_float, int_range, verbosity
+from lora_opt.placement.router_config import HealthChecks
 from twin.flags import EngineFlags, serve_option
 from twin.profile import bundled_profiles
 from twin.routers import ADAPTER_MODES, ROUTERS
@@ -62,6 +63,19 @@ def register(sub) -> None:
     e.add_argument("--scrape-interval-s", type=finite_float(0.0, 3600.0), default=SCRAPE_DEFAULT_S,
                    help="simulated seconds between the router's reads of the instances' metrics (lora-affinity; "
                         f"0: at every request) (default {SCRAPE_DEFAULT_S:g})")
+    e.add_argument("--health-interval-s", type=finite_float(0.0, 3600.0), default=HealthChecks.interval_s,
+                   help="seconds between the router's checks of every instance's /health: failing ones are ejected "
+                        "(sent nothing), passing ones re-admitted; a refused connection ejects at once and its "
+                        f"request goes to another instance of its adapter (0: no checks, no ejection) "
+                        f"(default {HealthChecks.interval_s:g})")
+    e.add_argument("--health-timeout-s", type=finite_float(0.001, 3600.0), default=HealthChecks.timeout_s,
+                   help=f"seconds a health check waits for its answer (default {HealthChecks.timeout_s:g})")
+    e.add_argument("--health-failures", type=int_range(1, 1000), default=HealthChecks.failure_threshold,
+                   help="failed health checks in a row that eject an instance "
+                        f"(default {HealthChecks.failure_threshold})")
+    e.add_argument("--health-successes", type=int_range(1, 1000), default=HealthChecks.success_threshold,
+                   help="passed health checks in a row that re-admit an ejected instance "
+                        f"(default {HealthChecks.success_threshold})")
     e.add_argument("--speed", type=finite_float(0.001, 10_000.0), default=1.0, help="simulated seconds per wall second (default 1)")
     e.add_argument("--lengths", help="length model EOS stops are drawn from (default: the scenario's, else sharegpt)")
     e.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the EOS draws and of the router's draws")
@@ -157,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
     router = None
     if args.router_port is not None:
         table = front(specs, [inst for _, inst in instances], args.placement, policy=args.router,
-                      seed=routing_seed(args.seed), scrape_interval_s=args.scrape_interval_s)
+                      seed=routing_seed(args.seed), scrape_interval_s=args.scrape_interval_s,
+                      health=HealthChecks(args.health_interval_s, args.health_timeout_s, args.health_failures,
+                                          args.health_successes))
         router = (args.host or "127.0.0.1", args.router_port, table)
 
     def ready():

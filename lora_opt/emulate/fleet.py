@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from lora_opt.emulate.engine import RUNTIME_ID, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
 from lora_opt.emulate.router import RouteTable, build_router_app
+from lora_opt.placement.router_config import HealthChecks
 from lora_opt.emulate.server import Instance, build_app
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
@@ -253,13 +254,14 @@ def servers_of(specs: list[InstanceSpec]) -> dict[str, list[str]]:
 
 
 def front(specs: list[InstanceSpec], instances: list[Instance], placement_path: str | None, *, policy: str = "static",
-          seed=0, scrape_interval_s: float = SCRAPE_INTERVAL_S) -> RouteTable:
+          seed=0, scrape_interval_s: float = SCRAPE_INTERVAL_S, health: HealthChecks | None = None) -> RouteTable:
     """The router in front of the instances started here: ``policy`` (``twin.routers``) choosing
     among the instances that serve each adapter, ``static`` with the placement's weights (or equal
-    weights), reading the instances' own state for the policies that read metrics."""
+    weights), reading the instances' own state for the policies that read metrics; ``health``: how it
+    ejects and re-admits instances (default :class:`HealthChecks`)."""
     return RouteTable(route_table(specs, placement_path), seed, policy=policy, endpoints=[s.endpoint for s in specs],
                       candidates=servers_of(specs), engines=[(i.engine, i.adapters) for i in instances],
-                      scrape_interval_s=scrape_interval_s)
+                      scrape_interval_s=scrape_interval_s, health=health)
 
 
 def with_lengths(spec: InstanceSpec, lengths: str) -> InstanceSpec:
@@ -268,12 +270,13 @@ def with_lengths(spec: InstanceSpec, lengths: str) -> InstanceSpec:
 
 
 # ---- serving ---------------------------------------------------------------------------------
-def _server(app, host: str, port: int, log_level: str):
+def _server(app, host: str, port: int, log_level: str, lifespan: str = "off"):
     # uvicorn only where an emulator runs
     import uvicorn
 
+    # timeout_keep_alive: vLLM's own (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) -- the router's pool expires first
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2)
+                            lifespan=lifespan, timeout_graceful_shutdown=2, timeout_keep_alive=5)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None       # the fleet owns the signals
     return server
@@ -295,6 +298,14 @@ def _stopper(server, inst: Instance):
         server.should_exit = True
         inst.engine.close()
     return stop
+
+
+async def _until_started(servers, tasks) -> None:
+    """Until every server listens, or one of the tasks ended (it could not start)."""
+    while not all(s.started for s in servers):
+        if any(t.done() for t in tasks):
+            return
+        await asyncio.sleep(0.01)
 
 
 async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
@@ -319,16 +330,18 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     fronts, scraping = [], None
     if router is not None:
         host, port, table = router
-        servers.append(_server(build_router_app(table), host, port, log_level))
+        servers.append(_server(build_router_app(table), host, port, log_level, lifespan="on"))   # its health checks
         fronts.append(InstanceSpec(scenario=None, port=port, host=host, name="router"))
         if table.policy.reads_state == "metrics":
             table.scrape()              # compiles the kernel's scrape before the first request needs it
             scraping = asyncio.ensure_future(table.scrape_every_interval())
-    tasks = [asyncio.ensure_future(_serve_one(s)) for s in servers]
-    while not all(s.started for s in servers):
-        if any(t.done() for t in tasks):
-            break
-        await asyncio.sleep(0.01)
+    # the instances listen before the router starts: its first health checks must not find them refusing
+    n_inst = len(instances)
+    tasks = [asyncio.ensure_future(_serve_one(s)) for s in servers[:n_inst]]
+    await _until_started(servers[:n_inst], tasks)
+    if not any(t.done() for t in tasks):
+        tasks += [asyncio.ensure_future(_serve_one(s)) for s in servers[n_inst:]]
+        await _until_started(servers, tasks)
     failed = [t for t in tasks if t.done()]
     if not failed and ready is not None:
         ready()

@@ -15,11 +15,19 @@ within ``read_timeout_s``) a 504, an empty route table a 503 -- every error in v
 ``{"error": {"message", "type", "param", "code"}}`` with ``type`` the HTTP phrase, as vLLM's own
 handler of HTTP errors writes it.  A stream whose instance dies after it started cannot change
 its status: it ends with an error event and ``data: [DONE]``, as vLLM ends a stream that fails
-after its 200.  No request is retried on another instance: the placement's routing is what the
-router imitates, and a dead instance should show, not be hidden."""
+after its 200.
+
+Instances die: one whose connection is refused is *ejected* at once and the request -- which never
+reached it -- goes to another instance that serves its adapter; every ``interval_s`` each instance's
+``/health`` is checked, failing ones are ejected and passing ones re-admitted
+(:mod:`lora_opt.emulate.router_health`; ``GET /router/routes`` shows each one's state).  A request
+that reached an instance is never retried (the instance may have run it): its failure is the client's
+502 / 504.  With every instance of an adapter ejected, they are tried anyway (one may be back)."""
 # no "from __future__ import annotations": FastAPI reads the route annotations (Request) at definition
 
 import asyncio
+import contextlib
+import functools
 import json
 import math
 import time
@@ -28,7 +36,9 @@ from http import HTTPStatus
 import numpy as np
 
 from lora_opt.emulate.request_validation import APIError
+from lora_opt.emulate.router_health import EndpointHealth, check_forever
 from lora_opt.errors import InputError
+from lora_opt.placement.router_config import HealthChecks
 from twin.engine_fleet import scrape
 from twin.fleet import SCRAPE_INTERVAL_S
 from twin.routers import FleetView, RouterSetup, make_router
@@ -40,6 +50,10 @@ FORWARDED_HEADERS = ("content-type", "authorization", "x-request-id", "x-lora-op
 CONNECT_TIMEOUT_S = 10.0
 #: seconds the router waits for each instance's /v1/models when it lists the fleet's models
 MODELS_TIMEOUT_S = 5.0
+#: seconds an idle pooled connection to an instance is kept: below the 5 s after which vLLM's server
+#: (uvicorn; VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes an idle connection, so the router never sends a request
+#: on a connection the instance is closing at that moment (that race lost a request: "ReadError")
+KEEPALIVE_EXPIRY_S = 2.0
 #: the generator stream (spawned from the router's seed) of requests no policy routes
 UNROUTED_STREAM = 99
 
@@ -82,7 +96,7 @@ class RouteTable:
 
     def __init__(self, table: dict, seed=0, *, policy: str = "static", endpoints: list[str] | None = None,
                  candidates: dict | None = None, engines: list | None = None,
-                 scrape_interval_s: float = SCRAPE_INTERVAL_S):
+                 scrape_interval_s: float = SCRAPE_INTERVAL_S, health: HealthChecks | None = None):
         routes = {a: [(e["endpoint"].rstrip("/"), float(e["weight"])) for e in es] for a, es in table.items() if es}
         cands = {a: [ep.rstrip("/") for ep in eps] for a, eps in (candidates or {}).items() if eps} or \
             {a: [ep for ep, _ in rs] for a, rs in routes.items()}
@@ -106,6 +120,8 @@ class RouteTable:
         """Per instance: requests sent whose response has not begun (the instance has not taken them yet)."""
         self.retired: set[int] = set()
         """Instances being drained (``retire``): no request is sent to them any more, routed or not."""
+        self.health = EndpointHealth(n, health or HealthChecks())
+        """Which instances are ejected (dead: sent nothing until their health checks pass again)."""
         self.engines = None
         if engines is not None:
             if len(engines) != n:
@@ -177,6 +193,7 @@ class RouteTable:
                 arr = getattr(v, name)
                 setattr(v, name, np.concatenate([arr, np.zeros(grow, arr.dtype)]))
             self.connecting = np.concatenate([self.connecting, np.zeros(grow, np.int64)])
+            self.health.grow(len(self.endpoints))
             v.running_adapters = list(v.running_adapters) + [frozenset()] * grow
             v.waiting_adapters = list(v.waiting_adapters) + [frozenset()] * grow
         index = {ep: k for k, ep in enumerate(self.endpoints)}
@@ -227,21 +244,45 @@ class RouteTable:
         """The endpoint of ``model``'s next request (counted in flight: call :meth:`done` at its end)."""
         return self.endpoints[self.pick_engine(model)]
 
-    def pick_engine(self, model: str | None) -> int:
+    def pick_engine(self, model: str | None, exclude=()) -> int:
+        """The engine of ``model``'s next request among the live ones (not retired, not ejected, not in
+        ``exclude``: those a retry already tried).  When every one left is ejected, the ejected ones are
+        tried anyway (Envoy's "panic" routing: one may be back before its checks say so, and a refused
+        connection is answered at once); a 503 naming why when none is left at all."""
         a = self.adapter_index.get(model) if model is not None else None
+        tried, ejected = set(exclude), set(self.health.ejected)
         if a is None or a not in self.candidates:
-            live = [k for k in range(len(self.endpoints)) if k not in self.retired] if self.retired else None
-            n = len(self.endpoints) if live is None else len(live)
-            if not n:
-                raise gateway_error(503, "the router has no instance to send the request to (empty route table)")
-            e = int(self.rng.integers(n))
-            e = e if live is None else live[e]
+            engines = np.array([k for k in range(len(self.endpoints)) if k not in self.retired], np.int64)
+        else:
+            engines = self.candidates[a]
+        left = engines[~np.isin(engines, sorted(tried))] if tried else engines
+        if ejected and left.size:
+            healthy = left[~np.isin(left, sorted(ejected))]
+            left = healthy if healthy.size else left
+        if not left.size:
+            what = f"no live instance serves {model}" if a is not None and a in self.candidates else \
+                "the router has no instance to send the request to"
+            raise gateway_error(503, f"{what} ({self.why_down(engines.tolist(), exclude) or 'empty route table'})")
+        if a is None or a not in self.candidates:
+            e = int(left[self.rng.integers(left.size)])
         else:
             reads = self.policy.reads_state
-            e = self.policy.pick(self.requests, a, self.candidates[a], self.view if reads else None)
+            e = self.policy.pick(self.requests, a, left, self.view if reads else None)
             self.requests += 1
         self.view.in_flight[e] += 1
         return e
+
+    def why_down(self, engines, exclude=()) -> str:
+        """'endpoint: why' of each engine of ``engines`` that is ejected, retired or already tried."""
+        out = []
+        for e in engines:
+            if e in self.health.ejected:
+                out.append(f"{self.endpoints[e]} ejected ({self.health.ejected[e][0]})")
+            elif e in self.retired:
+                out.append(f"{self.endpoints[e]} retired")
+            elif e in exclude:
+                out.append(f"{self.endpoints[e]} refused the connection")
+        return "; ".join(out)
 
     def done(self, engine: int) -> None:
         """A response of ``engine`` ended (finished, failed or abandoned)."""
@@ -329,7 +370,7 @@ def add_route_admin(app, table: RouteTable) -> None:
     """The router's own administration (not vLLM's API), what ``lora-opt apply``'s route steps
     call: ``GET /router/routes`` (policy, endpoints, the table as it stands, and per endpoint the
     requests sent that it has not answered yet: ``connecting``, those whose response has not ended:
-    ``in_flight``, and the ``retired`` endpoints), ``POST /router/routes`` with ``{"routes": {adapter id:
+    ``in_flight``, the ``retired`` endpoints, and each one's ``health``: healthy / ejected / retired, why), ``POST /router/routes`` with ``{"routes": {adapter id:
     [{endpoint, weight}]}}`` (:meth:`RouteTable.reroute`; 400 for a malformed table, 409 for a policy
     whose routes cannot change while it runs) and ``POST /router/retire`` with ``{"endpoint": URL}``
     (:meth:`RouteTable.retire`: nothing more is sent to it; the adapters left without an instance)."""
@@ -341,7 +382,8 @@ def add_route_admin(app, table: RouteTable) -> None:
         return {"policy": table.policy.name, "endpoints": list(table.endpoints), "routes": table.table(),
                 "connecting": dict(zip(table.endpoints, table.connecting.tolist())),
                 "in_flight": dict(zip(table.endpoints, table.view.in_flight.tolist())),
-                "retired": [table.endpoints[e] for e in sorted(table.retired)]}
+                "retired": [table.endpoints[e] for e in sorted(table.retired)],
+                "health": {ep: table.health.state(e, e in table.retired) for e, ep in enumerate(table.endpoints)}}
 
     async def admin_call(request: Request, key: str, kind: type, expected: str, call):
         """A POST of the router's administration: ``{key: <kind>}`` -> ``call(value)``; 400 for a body that is
@@ -367,6 +409,19 @@ def add_route_admin(app, table: RouteTable) -> None:
                                 table.reroute)
 
 
+@contextlib.asynccontextmanager
+async def health_checks_while_serving(app, *, table: RouteTable, client):
+    """The router app's lifespan: its active health checks run while it serves (its uvicorn server needs
+    ``lifespan="on"``; without them no instance is ejected)."""
+    checking = asyncio.ensure_future(check_forever(table, client)) if table.health.checks.active else None
+    try:
+        yield
+    finally:
+        if checking is not None:
+            checking.cancel()
+            await asyncio.gather(checking, return_exceptions=True)
+
+
 def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     """The router's app.  ``read_timeout_s``: longest wait for an instance's response headers and
     between its stream's reads before a 504 (None: no limit -- an instance queues what it cannot
@@ -377,9 +432,11 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response, StreamingResponse
 
-    app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None)
     client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S), trust_env=False,
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                   keepalive_expiry=KEEPALIVE_EXPIRY_S))
+    app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=functools.partial(health_checks_while_serving, table=table, client=client))
 
     def error(e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
@@ -402,39 +459,47 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
             raw = await request.body()
         except ClientDisconnect:                # gone before its body arrived: nothing to forward
             return Response(status_code=499)
-        try:
-            engine = table.pick_engine(model_of(raw))
-        except APIError as e:
-            return error(e)
-        endpoint = table.endpoints[engine]
-        streaming = False
-        try:
-            headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-            table.connecting[engine] += 1       # picked, not yet answered: a replan's unload waits for these
+        model = model_of(raw)
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        tried, refused = [], None           # instances whose connection failed: the request never reached them
+        while True:
             try:
-                upstream = client.build_request("POST", endpoint + suffix, content=raw, headers=headers)
-                resp = await send_upstream(request, upstream)
-            except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
-                return error(upstream_error(exc, endpoint, read_timeout_s))
+                engine = table.pick_engine(model, exclude=tried)
+            except APIError as e:
+                return error(refused or e)      # the last instance's own failure says more than "none left"
+            endpoint = table.endpoints[engine]
+            streaming = False
+            try:
+                table.connecting[engine] += 1       # picked, not yet answered: a replan's unload waits for these
+                try:
+                    upstream = client.build_request("POST", endpoint + suffix, content=raw, headers=headers)
+                    resp = await send_upstream(request, upstream)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:     # not sent: another instance may
+                    refused = upstream_error(exc, endpoint, read_timeout_s)
+                    table.health.eject(engine, f"request: {refused.message}")
+                    tried.append(engine)
+                    continue
+                except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:   # sent: never retried
+                    return error(upstream_error(exc, endpoint, read_timeout_s))
+                finally:
+                    table.connecting[engine] -= 1
+                if resp is None:
+                    return Response(status_code=499)          # nobody reads it: the client went away
+                media_type = resp.headers.get("content-type")
+                if media_type and media_type.startswith("text/event-stream"):
+                    streaming = True                # the relay ends it
+                    return StreamingResponse(relay_events(resp, endpoint, read_timeout_s, lambda: table.done(engine)),
+                                             status_code=resp.status_code, media_type=media_type)
+                try:                                # a JSON answer: whole, or a 502 when the instance fails mid-body
+                    content = await resp.aread()
+                except (httpx.HTTPError, OSError) as exc:
+                    return error(upstream_error(exc, endpoint, read_timeout_s))
+                finally:
+                    await resp.aclose()
+                return Response(content, status_code=resp.status_code, media_type=media_type)
             finally:
-                table.connecting[engine] -= 1
-            if resp is None:
-                return Response(status_code=499)          # nobody reads it: the client went away
-            media_type = resp.headers.get("content-type")
-            if media_type and media_type.startswith("text/event-stream"):
-                streaming = True                # the relay ends it
-                return StreamingResponse(relay_events(resp, endpoint, read_timeout_s, lambda: table.done(engine)),
-                                         status_code=resp.status_code, media_type=media_type)
-            try:                                # a JSON answer: whole, or a 502 when the instance fails mid-body
-                content = await resp.aread()
-            except (httpx.HTTPError, OSError) as exc:
-                return error(upstream_error(exc, endpoint, read_timeout_s))
-            finally:
-                await resp.aclose()
-            return Response(content, status_code=resp.status_code, media_type=media_type)
-        finally:
-            if not streaming:
-                table.done(engine)
+                if not streaming:
+                    table.done(engine)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -17,12 +17,24 @@
   It forwards any request to any worker, so it fits only a placement with every adapter on every
   GPU (``lora-opt search --deployment every-gpu``); for any other it is refused.  (Which request
   field its ``consistent_hash`` hashes is vllm-router's own; the twin hashes the adapter id.)
+
+Dead instances: both are set to eject and re-admit as ``lora-opt emulate``'s router does
+(:class:`HealthChecks`' defaults): vllm-router through its own
+``--health-check-*`` / ``--health-*-threshold`` flags and ``--retry-max-retries`` (one try per GPU:
+measured on 0.1.17, a refused connection is sent to the next worker -- with retries off every request
+to a dead worker is a 500); the Gateway API through each vLLM pod's readiness probe (the endpoint picker
+only picks ready pods), written as a snippet in the manifests' header.  One difference is said where it
+is written: vllm-router also re-sends a request a worker answered with an error, which lora-opt's router
+never does (a request that reached an instance may have run).
 """
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import dataclass
 
+from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement, PlacementError
 
 #: the Gateway API Inference Extension's API version the manifests are written in
@@ -36,6 +48,42 @@ VLLM_ROUTER_POLICIES = {"round-robin": "round_robin", "power-of-two": "power_of_
 ROUTER_CONFIGS = ("gateway", *(f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES))
 #: the label a GPU of replica set K carries
 POOL_LABEL = "lora-opt.io/pool-{k}"
+
+
+@dataclass(frozen=True)
+class HealthChecks:
+    """How a router finds dead instances and takes them back: ``lora-opt emulate``'s router
+    (``--health-*``; :mod:`lora_opt.emulate.router_health`) and the configurations written here (vllm-router's
+    flags of the same names, the pods' readiness probe)."""
+
+    interval_s: float = 2.0
+    """Seconds between two active checks of every instance's ``/health``; 0: no active checks (a refused
+    connection still sends the request elsewhere, but nothing is ejected, as nothing could re-admit it)."""
+    timeout_s: float = 2.0
+    """Seconds a check waits for the answer; a longer wait is a failed check."""
+    failure_threshold: int = 3
+    """Failed checks in a row that eject an instance (a refused connection ejects at once)."""
+    success_threshold: int = 2
+    """Passed checks in a row that re-admit an ejected instance."""
+    endpoint: str = "/health"
+    """The path checked, under the instance's root (its URL without ``/v1``): vLLM's ``/health``."""
+
+    def __post_init__(self):
+        for name, lo in (("interval_s", 0.0), ("timeout_s", 0.001)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+                raise InputError(f"health checks: {name} must be a finite number >= {lo:g}, got {v!r}")
+        for name in ("failure_threshold", "success_threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"health checks: {name} must be an integer >= 1, got {v!r}")
+        if not self.endpoint.startswith("/"):
+            raise InputError(f"health checks: endpoint must be a path starting with '/', got {self.endpoint!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.interval_s > 0
+
 
 
 def replica_sets(p: Placement) -> list[tuple[tuple[int, ...], list[str]]]:
@@ -90,6 +138,15 @@ def gateway_manifests(p: Placement, *, name: str = "lora-opt", port: int = 8000)
             f"# Every pod's vLLM listens on port {port} (targetPortNumber; vllm/gpuN.sh, for one host, uses {port}+N).",
             "# Label each GPU's vLLM pod (vllm/gpuN.sh) with its pools' labels:"]
     head += [f"#   GPU {g}: {', '.join(ls) or '(no pool)'}" for g, ls in labels.items()]
+    h = HealthChecks()
+    head += ["# The endpoint picker only picks ready pods: give each vLLM container this readiness probe (what",
+             "# lora-opt emulate's router does: ejected after failed /health checks, re-admitted after passing ones):",
+             "#   readinessProbe:",
+             f"#     httpGet: {{path: {h.endpoint}, port: {port}}}",
+             f"#     periodSeconds: {math.ceil(h.interval_s)}",
+             f"#     timeoutSeconds: {math.ceil(h.timeout_s)}",
+             f"#     failureThreshold: {h.failure_threshold}",
+             f"#     successThreshold: {h.success_threshold}"]
     return "\n".join(head) + "\n---\n" + "\n---\n".join(docs) + "\n"
 
 
@@ -107,8 +164,13 @@ def vllm_router_command(p: Placement, policy: str, *, host: str = "127.0.0.1", b
         raise PlacementError(f"router config vllm-router: it sends any request to any GPU, but {n} adapter(s) are "
                              "on only some GPUs; use gateway (one pool per replica set), or a placement with every "
                              "adapter on every GPU (lora-opt search --deployment every-gpu)")
+    h = HealthChecks()
     return ["vllm-router", "--host", host, "--port", str(port), "--worker-urls",
-            *(f"http://{host}:{base_port + g}" for g in every), "--policy", VLLM_ROUTER_POLICIES[policy]]
+            *(f"http://{host}:{base_port + g}" for g in every), "--policy", VLLM_ROUTER_POLICIES[policy],
+            "--health-check-endpoint", h.endpoint, "--health-check-interval-secs", str(math.ceil(h.interval_s)),
+            "--health-check-timeout-secs", str(math.ceil(h.timeout_s)),
+            "--health-failure-threshold", str(h.failure_threshold),
+            "--health-success-threshold", str(h.success_threshold), "--retry-max-retries", str(max(2, len(every)))]
 
 
 def router_files(p: Placement, which: str, *, host: str = "127.0.0.1", base_port: int = 8000) -> dict[str, str]:
@@ -120,5 +182,9 @@ def router_files(p: Placement, which: str, *, host: str = "127.0.0.1", base_port
     if which.startswith("vllm-router:"):
         argv = vllm_router_command(p, which.split(":", 1)[1], host=host, base_port=base_port)
         return {"router/vllm-router.sh": f"#!/bin/sh\n# generated by lora-opt place; vllm-router {VLLM_ROUTER_VERSION} "
-                                         f"flags\nexec {shlex.join(argv)}\n"}
+                                         "flags\n# dead workers: ejected after failed /health checks and re-admitted "
+                                         "after passing ones, as lora-opt emulate's router;\n# --retry-max-retries: "
+                                         "a refused request tries the next worker (vllm-router also re-sends one a "
+                                         "worker answered with an error,\n# which lora-opt's router never does)\n"
+                                         f"exec {shlex.join(argv)}\n"}
     raise PlacementError(f"--emit-router: {which!r} not allowed; allowed values: {', '.join(ROUTER_CONFIGS)}")
