@@ -256,6 +256,8 @@ RUN_SLOW = {"place --workload configs/workloads/example.yaml --gpus 4 --emit-vll
             "place --workload example --gpus 4 --emit-vllm", "place --workload example --gpus 4"}
 #: concrete documented commands not run here, and why (each is parsed above all the same)
 NOT_RUN_HERE = {
+    "emulate --instances 2 --router round-robin": "a fleet that serves until stopped; "
+        "tests/test_router_health.py starts it (with --port, --router-port) and shuts one instance down",
     "probe --launch out/vllm/serve_commands.txt --gpu-index 0 --quick --model llama-3.1-8b-h100-64gb "
     "--adapter-path adapters/r{rank} --out probe/": "needs a GPU; tests/real_vllm/test_probe_real.py runs probe --launch on the tier",
     "validate out/placement.json --endpoints out/router.json --duration 600":

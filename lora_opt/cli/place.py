@@ -54,6 +54,12 @@ def register(sub) -> None:
     pl.add_argument("--history", metavar="LOG.csv",
                     help="request log (timestamp_s, adapter, input_tokens, output_tokens): rates are estimated "
                          "from it and greedy-plus verifies every GPU on these requests, bursts included")
+    pl.add_argument("--prometheus", metavar="URL",
+                    help="rates (and lengths) from a Prometheus server that scrapes the gateway: each adapter of the "
+                         "workload at its requests over --window (inference_model_request_total, the Gateway API "
+                         "Inference Extension's per-adapter counter; lora-opt emulate's router exports it too)")
+    pl.add_argument("--window", default="1h", help="--prometheus: the window ending now (a Prometheus duration: "
+                                                   "15m, 1h, 1d; default 1h)")
     pl.add_argument("--json", action="store_true", help="print the placement and verdict as one JSON object")
     pl.set_defaults(run=run)
 
@@ -74,6 +80,15 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.workload_file import load_workload
 
     wl = load_workload(args.workload)
+    if args.prometheus:
+        from lora_opt.errors import InputError
+        from lora_opt.placement.prometheus_demand import read_demand, workload_from_demand
+        if args.history:
+            raise InputError("--prometheus and --history: give one source of rates")
+        demand = read_demand(args.prometheus, args.window)
+        wl = workload_from_demand(wl, demand)
+        if not args.json:
+            print(prometheus_line(demand))
     if args.vllm_version is not None:     # refused before any placement work
         from lora_opt.errors import InputError
         from lora_opt.placement.vllm_launch import resolve_vllm_version
@@ -90,6 +105,15 @@ def run(args: argparse.Namespace) -> int:
                      surrogate=args.surrogate, policy_options=opts, as_json=args.json,
                      history=args.history, vllm_version=args.vllm_version, emit_router=args.emit_router,
                      confidence=setting)
+
+
+def prometheus_line(demand) -> str:
+    """What a command read from Prometheus, in one line."""
+    lengths = (f"; lengths in {demand.lengths['mean_in']:.0f} +- {demand.lengths['std_in']:.0f}, out "
+               f"{demand.lengths['mean_out']:.0f} +- {demand.lengths['std_out']:.0f} tokens" if demand.lengths
+               else "; no token counts (the workload's lengths kept)")
+    return (f"rates from {demand.url}: {demand.requests:,.0f} requests of {len(demand.rates)} model(s) over the last "
+            f"{demand.window} (scrape interval {demand.scrape_interval_s:g} s){lengths}")
 
 
 def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm: bool, model: str | None,

@@ -66,6 +66,11 @@ def register(sub) -> None:
                              "input_tokens, output_tokens): each adapter of the running placement at its requests "
                              "/ the log's span (none: rate 0); every adapter in the log must be one of the "
                              "placement's (a new adapter needs --workload, which gives its rank)")
+    demand.add_argument("--prometheus", metavar="URL",
+                        help="the new demand from a Prometheus server that scrapes the gateway: each adapter of the "
+                             "running placement at its requests over --window (inference_model_request_total); "
+                             "lengths from its token histograms")
+    rp.add_argument("--window", default="1h", help="--prometheus: the window ending now (15m, 1h, 1d; default 1h)")
     rp.add_argument("--out", help="output directory (default: outputs/replan-<workload>)")
     add_replan_flags(rp)
     rp.add_argument("--no-scratch", action="store_true",
@@ -92,7 +97,12 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.base_port <= 65535:
         raise InputError(f"--base-port: must be a port in 1..65535, got {args.base_port}")
     current = Placement.load(args.current)
-    wl = load_workload(args.workload) if args.workload else history_workload(current, args.history)
+    if args.workload:
+        wl = load_workload(args.workload)
+    elif args.prometheus:
+        wl = prometheus_workload(current, args.prometheus, args.window, quiet=args.json)
+    else:
+        wl = history_workload(current, args.history)
     costs = ReplanCosts(args.move_cost, args.restart_cost)
     ctx = PlacementContext.for_workload(wl, args.surrogate)
     policy = policy_from_flags(args, ctx.profile)
@@ -130,6 +140,20 @@ def history_workload(current, log: str):
     except InputError as exc:
         raise InputError(f"--history: {exc} (the adapters are the running placement's)") from None
     return dataclasses.replace(wl, name=f"{base.name or 'placement'}-history", meta={**wl.meta, "history_s": span})
+
+
+def prometheus_workload(current, url: str, window: str, quiet: bool = False):
+    """The running placement's adapters with the demand Prometheus saw over ``window``."""
+    from lora_opt.cli.place import prometheus_line
+    from lora_opt.placement.evaluate import workload_from_placement
+    from lora_opt.placement.prometheus_demand import read_demand, workload_from_demand
+
+    base = workload_from_placement(current)
+    demand = read_demand(url, window)
+    wl = workload_from_demand(base, demand)
+    if not quiet:
+        print(prometheus_line(demand))
+    return dataclasses.replace(wl, name=f"{base.name or 'placement'}-prometheus")
 
 
 def plan_summary(plan: dict) -> str:

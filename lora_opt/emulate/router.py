@@ -37,6 +37,7 @@ import numpy as np
 
 from lora_opt.emulate.request_validation import APIError
 from lora_opt.emulate.router_health import EndpointHealth, check_forever
+from lora_opt.emulate.router_metrics import RouterMetrics, usage_of
 from lora_opt.errors import InputError
 from lora_opt.placement.router_config import HealthChecks
 from twin.engine_fleet import scrape
@@ -332,29 +333,36 @@ def error_event(err: APIError) -> bytes:
 async def relay_events(resp, endpoint: str, read_timeout_s: float | None, on_end=None):
     """An SSE body, passed on whole events at a time: when the instance fails mid-way, a partial
     event is dropped and the stream ends with :func:`error_event` instead of a broken connection.
-    ``on_end``: called once the stream is over (the router's in-flight count)."""
+    ``on_end(usage, failed)``: called once the stream is over (the router's in-flight count and
+    metrics), with the stream's last ``usage`` (or None) and whether it ended with an error event."""
     import httpx
     tail = b""                                  # bytes after the last complete event
+    usage, failed = None, False
     try:
         async for chunk in resp.aiter_raw():
             data = tail + chunk if tail else chunk
             lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")    # vLLM ends events with \n\n
             cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
             if cut:
-                yield data[:cut]
+                events = data[:cut]
+                if b'"usage"' in events:
+                    usage = usage_of(events) or usage
+                failed = failed or b'data: {"error"' in events
+                yield events
                 tail = data[cut:]
             else:
                 tail = data
         if tail:                                # the instance ended its body mid-event
             yield tail
     except (httpx.HTTPError, OSError) as exc:
+        failed = True
         yield error_event(upstream_error(exc, endpoint, read_timeout_s))
     finally:                                    # also when the client went away: close the upstream
         try:
             await resp.aclose()
         finally:
             if on_end is not None:              # the stream is over: it leaves the in-flight count
-                on_end()
+                on_end(usage, failed)
 
 
 async def until_client_gone(request) -> None:
@@ -405,8 +413,36 @@ def add_route_admin(app, table: RouteTable) -> None:
 
     @app.post("/router/routes")
     async def reroute(request: Request):
-        return await admin_call(request, "routes", dict, '{"routes": {adapter id: [{"endpoint": URL, "weight": w}]}}',
-                                table.reroute)
+        answer = await admin_call(request, "routes", dict, '{"routes": {adapter id: [{"endpoint": URL, "weight": w}]}}',
+                                  table.reroute)
+        if getattr(app.state, "metrics", None) is not None:
+            app.state.metrics.known(table.adapter_ids)       # new adapters' series start at 0
+        return answer
+
+
+async def send_unless_gone(client, request, upstream):
+    """``client.send`` unless the client goes away first (then the upstream request is cancelled,
+    which closes its connection: the instance aborts the request).  None: gone."""
+    send = asyncio.ensure_future(client.send(upstream, stream=True))
+    gone = asyncio.ensure_future(until_client_gone(request))
+    try:
+        await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not send.done():
+            send.cancel()
+    return send.result() if send.done() and not send.cancelled() else None
+
+
+async def model_cards(client, endpoint: str) -> list | None:
+    """An instance's ``/v1/models`` cards (None: it did not answer them)."""
+    import httpx
+    try:
+        r = await client.get(endpoint + "/models", timeout=MODELS_TIMEOUT_S)
+        data = r.json().get("data") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError, OSError):
+        return None
+    return [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else None
 
 
 @contextlib.asynccontextmanager
@@ -437,22 +473,12 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
                                                    keepalive_expiry=KEEPALIVE_EXPIRY_S))
     app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=functools.partial(health_checks_while_serving, table=table, client=client))
+    metrics = RouterMetrics()
+    metrics.known(table.adapter_ids)
+    app.state.metrics = metrics
 
     def error(e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
-
-    async def send_upstream(request: Request, upstream):
-        """``client.send`` unless the client goes away first (then the upstream request is
-        cancelled, which closes its connection: the instance aborts the request).  None: gone."""
-        send = asyncio.ensure_future(client.send(upstream, stream=True))
-        gone = asyncio.ensure_future(until_client_gone(request))
-        try:
-            await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not send.done():
-                send.cancel()
-        return send.result() if send.done() and not send.cancelled() else None
 
     async def forward(request: Request, suffix: str):
         try:
@@ -460,6 +486,13 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
         except ClientDisconnect:                # gone before its body arrived: nothing to forward
             return Response(status_code=499)
         model = model_of(raw)
+        started = metrics.start(model)
+        resp = await route(request, suffix, raw, model, started)
+        if not isinstance(resp, StreamingResponse):         # a stream's relay ends its metrics
+            metrics.end(started, resp.status_code, usage_of(resp.body) if resp.status_code == 200 else None)
+        return resp
+
+    async def route(request: Request, suffix: str, raw: bytes, model: str | None, started):
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         tried, refused = [], None           # instances whose connection failed: the request never reached them
         while True:
@@ -473,7 +506,7 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
                 table.connecting[engine] += 1       # picked, not yet answered: a replan's unload waits for these
                 try:
                     upstream = client.build_request("POST", endpoint + suffix, content=raw, headers=headers)
-                    resp = await send_upstream(request, upstream)
+                    resp = await send_unless_gone(client, request, upstream)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:     # not sent: another instance may
                     refused = upstream_error(exc, endpoint, read_timeout_s)
                     table.health.eject(engine, f"request: {refused.message}")
@@ -488,8 +521,13 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
                 media_type = resp.headers.get("content-type")
                 if media_type and media_type.startswith("text/event-stream"):
                     streaming = True                # the relay ends it
-                    return StreamingResponse(relay_events(resp, endpoint, read_timeout_s, lambda: table.done(engine)),
-                                             status_code=resp.status_code, media_type=media_type)
+                    status = resp.status_code
+
+                    def ended(usage, failed):
+                        table.done(engine)
+                        metrics.end(started, status, usage, failed)
+                    return StreamingResponse(relay_events(resp, endpoint, read_timeout_s, ended),
+                                             status_code=status, media_type=media_type)
                 try:                                # a JSON answer: whole, or a 502 when the instance fails mid-body
                     content = await resp.aread()
                 except (httpx.HTTPError, OSError) as exc:
@@ -513,14 +551,7 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     async def models():
         """The fleet's models: every instance's cards, each id once (base models, then adapters, as
         vLLM lists them); an instance that does not answer is left out; none answering: 502."""
-        async def one(endpoint):
-            try:
-                r = await client.get(endpoint + "/models", timeout=MODELS_TIMEOUT_S)
-                data = r.json().get("data") if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, AttributeError, OSError):
-                return None
-            return [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else None
-        answers = await asyncio.gather(*(one(e) for e in table.endpoints))
+        answers = await asyncio.gather(*(model_cards(client, e) for e in table.endpoints))
         if table.endpoints and not any(a is not None for a in answers):
             return error(gateway_error(502, f"no instance answered /v1/models ({', '.join(table.endpoints)})"))
         cards: dict = {}
@@ -531,6 +562,11 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     @app.get("/health")
     async def health():
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        """Per-adapter requests, tokens and latency under the Inference Extension's names."""
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_route_admin(app, table)
 
