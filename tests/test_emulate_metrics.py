@@ -136,8 +136,15 @@ async def exercise(base: str, max_tokens: int = MAX_TOKENS) -> dict:
             await asyncio.sleep(0.05)
         out["reached"] = out["trace"][-1][2:] == (3, 1) and all(ev.is_set() for _, ev in first)
         await asyncio.wait_for(asyncio.gather(*tasks), 240)
-        await asyncio.sleep(0.5)
-        await scrape("after")
+        # vLLM's front end records a finished request's counters after it has sent the request's last chunk:
+        # "after" is read once the four are counted (CI once saw the fourth "length" finish only in the next scrape)
+        deadline = time.monotonic() + 30
+        while True:
+            await asyncio.sleep(0.5)
+            await scrape("after")
+            done = [value(out[t], "vllm:e2e_request_latency_seconds_count") for t in ("before", "after")]
+            if done[1] - done[0] >= 4 or time.monotonic() > deadline:
+                break
         # a client that leaves its stream: vLLM aborts the request
         async with c.stream("POST", base + "/v1/completions", json={
                 "model": "r16-a", "prompt": list(range(10, 10 + PROMPT_LEN)), "max_tokens": max_tokens,
