@@ -3,6 +3,7 @@ the router's table switched at run time, vLLM's runtime LoRA endpoints, launches
 and what it refuses."""
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import shlex
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lora_opt.apply.executor import ApplyOptions
+from lora_opt.apply.executor import SUCCESS, ApplyOptions, PlanExecutor
 from lora_opt.apply.run import apply_plan
 from lora_opt.apply.transition import TrafficOptions
 from lora_opt.cli import main
@@ -147,8 +148,8 @@ def test_a_stop_of_an_instance_lora_opt_did_not_start_is_left_to_its_operator(tm
 
 
 class _RouterAndInstance(http.server.BaseHTTPRequestHandler):
-    """A router whose last switch left 2 requests on their way to the old instance (for 3 reads of
-    its table), and that instance's unload endpoint: records the order of the calls."""
+    """A router whose switch leaves 2 requests on their way to the old instance (for its next 3 reads of
+    its table), and that instance (``/v1/models`` lists ``x``; its unload endpoint): records the calls."""
 
     calls: list = []
 
@@ -161,14 +162,18 @@ class _RouterAndInstance(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
-        reads = sum(c == "GET" for c in self.calls)
-        self.calls.append("GET")
+        self.calls.append(("GET", self.path))
+        if self.path == "/v1/models":
+            return self._answer({"object": "list", "data": [{"id": "base"}, {"id": "x"}]})
         ep = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self._answer({"routes": {"x": [{"endpoint": ep, "weight": 1.0}]}, "connecting": {ep: 2 if reads < 4 else 0}})
+        switched = ("POST", "/router/routes") in self.calls
+        reads = self.calls[self.calls.index(("POST", "/router/routes")):].count(("GET", "/router/routes")) if switched else 0
+        table = {"x": [{"endpoint": ep, "weight": 1.0}]} if switched else {}
+        self._answer({"routes": table, "connecting": {ep: 2 if switched and reads <= 3 else 0}})
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length", 0)))
-        self.calls.append(self.path)
+        self.calls.append(("POST", self.path))
         self._answer({"adapters": 1, "new_endpoints": []})
 
     def log_message(self, *args):
@@ -190,10 +195,65 @@ def test_an_unload_after_a_switch_waits_for_requests_still_on_their_way(tmp_path
     finally:
         srv.shutdown()
     assert code == EXIT_OK, summary["steps"]
-    calls = _RouterAndInstance.calls
-    # preflight's read, the switch, reads until nothing is on its way to the old instance, then the unload
-    assert calls[:2] == ["GET", "/router/routes"] and calls[-1] == "/v1/unload_lora_adapter"
-    assert calls[2:-1] == ["GET"] * 4, calls
+    table, models = ("GET", "/router/routes"), ("GET", "/v1/models")
+    # preflight's read; the route step: is it in effect (no), the switch; the unload: is x still loaded (yes),
+    # then reads until nothing is on its way to the old instance, then the unload
+    assert _RouterAndInstance.calls == [table, table, ("POST", "/router/routes"), models, table, table, table, table,
+                                        ("POST", "/v1/unload_lora_adapter")], _RouterAndInstance.calls
+
+
+def test_a_step_in_effect_is_done_and_a_failed_step_is_tried_again(tmp_path):
+    """Applying a plan again resumes it: steps whose effect is in place are ``done`` without acting;
+    a step that fails is tried again after reading the fleet again."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyInstance)
+    _FlakyInstance.loaded, _FlakyInstance.posts = {"base", "a"}, 0
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    call = lambda what, name: {"method": "POST", "url": f"{url}/v1/{what}_lora_adapter",  # noqa: E731
+                               "json": {"lora_name": name, "lora_path": f"/p/{name}"}}
+    steps = [{"step": 1, "action": "load", "instance": "gpu0", "request": call("load", "a")},
+             {"step": 2, "action": "load", "instance": "gpu0", "request": call("load", "b")}]
+    try:
+        d = _placement_dir(tmp_path, {"steps": steps, "endpoints": {"gpu0": url}, "instances": []})
+        summary, code = apply_plan(d, opts=ApplyOptions(retry_wait_s=0.0), out=tmp_path / "out", track=False)
+    finally:
+        srv.shutdown()
+    assert code == EXIT_OK, summary["steps"]
+    assert [(s["status"], s["tries"]) for s in summary["steps"]] == [("done", 0), ("ok", 2)]
+    assert "a is loaded on gpu0" in summary["steps"][0]["detail"] and "(try 2)" in summary["steps"][1]["detail"]
+    progress = json.loads((tmp_path / "out" / "progress.json").read_text())
+    assert [s["status"] for s in progress["steps"]] == ["done", "ok"]
+
+
+class _FlakyInstance(http.server.BaseHTTPRequestHandler):
+    """An instance whose first runtime load answers 500, then loads."""
+
+    loaded: set = set()
+    posts = 0
+
+    def _answer(self, status: int, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self._answer(200, {"data": [{"id": m} for m in sorted(self.loaded)]})
+        self._answer(200, {})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        type(self).posts += 1
+        if type(self).posts == 1:
+            return self._answer(500, {"error": {"message": "busy"}})
+        self.loaded.add(body["lora_name"])
+        self._answer(200, "ok")
+
+    def log_message(self, *args):
+        pass
 
 
 @pytest.mark.parametrize("plan, argv, needle", [
@@ -289,3 +349,84 @@ def _failures(path) -> list[str]:
     with open(path) as f:
         return [f"{r['adapter']} at {float(r['sent_s']):.1f} s: {r['error']}" for r in csv.DictReader(f)
                 if r["status"] == "failed"][:5]
+
+
+def _stop_launched(summary: dict) -> None:
+    import os
+    import signal
+    for info in summary["launched"].values():
+        if info.get("pid"):
+            try:
+                os.kill(info["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _until_refused(url: str, within_s: float = 20.0) -> None:
+    import time
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+        except OSError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{url} still answers")
+
+
+def test_a_kept_instance_that_dies_is_launched_again_and_a_plan_applied_again_is_all_done(onboarding, tmp_path):
+    """The reconciler on an emulated fleet.  A kept instance that dies in the middle of the plan (shut down
+    after step 1): the step on it that fails is tried again after launching it again with the new
+    placement's command for its GPU -- which loads its final adapters, so that step is then in effect.  The
+    same plan applied again finds every step in effect (``done``, nothing acted on).  A kept instance found
+    dead before any step is launched again by the preflight."""
+    d, port = onboarding
+    plan = json.loads((d / "plan" / "plan.json").read_text())
+    kept = [it["instance"] for it in plan["instances"] if it["action"] == "keep"]
+    later = [s for s in plan["steps"][1:] if s.get("instance") in kept and s["action"] in ("load", "unload")]
+    assert later, plan["steps"]
+    victim = plan["endpoints"][later[0]["instance"]]
+    router = free_ports(1)
+    server_cmd = shlex.join([sys.executable, "-m", "lora_opt.cli", "emulate", "--profile", PROFILE, "--speed", str(SPEED)])
+    opts = ApplyOptions(router=f"http://127.0.0.1:{router}", server_cmd=server_cmd, adapter_dir=str(d / "adapters"),
+                        retry_wait_s=0.2, log_dir=tmp_path / "logs")
+    shutdown = lambda url: urllib.request.urlopen(urllib.request.Request(url + "/emulator/shutdown", method="POST"),  # noqa: E731
+                                                  timeout=10)
+    summaries = []
+
+    async def mid_plan_death():
+        import httpx
+        ex = PlanExecutor(plan, Placement.load(d / "plan" / "placement.json"), opts)
+
+        def on_step(res):
+            if res.step == 1:
+                shutdown(victim)
+                _until_refused(victim)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            await ex.preflight(client)
+            steps = await ex.run(client, on_step=on_step)
+        summaries.append({"launched": {n: {"pid": srv.proc.pid if srv.proc else None} for n, srv in ex.launched.items()}})
+        return steps
+
+    fleet = Emulator(["--placement", str(d / "before"), "--base-port", str(port), "--router-port", str(router),
+                      "--speed", str(SPEED)], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    try:
+        steps = asyncio.run(mid_plan_death())
+        assert all(r.status in SUCCESS for r in steps), [(r.step, r.status, r.detail) for r in steps]
+        failed_once = next(r for r in steps if r.step == later[0]["step"])
+        assert failed_once.tries == 1 and "in effect after 1 failed try and a launch" in failed_once.detail, failed_once
+        assert urllib.request.urlopen(victim + "/health", timeout=5).status == 200
+        again, code = apply_plan(d / "plan", opts=opts, out=tmp_path / "again", keep_launched=True, track=False)
+        summaries.append(again)
+        assert code == EXIT_OK and {s["status"] for s in again["steps"]} == {"done"}, again["steps"]
+        assert all(s["tries"] == 0 for s in again["steps"]) and not again["launched"]
+        # dead before any step: the preflight launches it again
+        shutdown(victim)
+        _until_refused(victim)
+        third, code = apply_plan(d / "plan", opts=opts, out=tmp_path / "third", keep_launched=True, track=False)
+        summaries.append(third)
+        assert code == EXIT_OK and list(third["launched"]) == [later[0]["instance"]], third["steps"]
+    finally:
+        for summary in summaries:
+            _stop_launched(summary)
+        fleet.stop()

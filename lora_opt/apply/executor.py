@@ -20,8 +20,18 @@ Each step is what ``lora_opt.placement.replan_steps`` wrote, done the way vLLM t
 After ``route`` and before the unloads that follow it, the executor waits until the router has
 no request for the old instance still on its way (``GET /router/routes`` ``connecting``: picked
 before the switch, not yet answered -- it may name the adapter about to go), then
-``unload_grace_s`` more.  The first step that fails stops the run (later steps are ``skipped``): the fleet
-stays in the last state the plan judged, never in one it did not.
+``unload_grace_s`` more.
+
+A reconciler, not a script: before each step the executor reads whether the step's effect is already in
+place on the fleet (the adapter loaded or gone per the instance's ``/v1/models``, the router's table as the
+step's, the instance answering ``/health`` or not) and then marks it ``done`` without acting -- so applying
+a half-applied plan again resumes it.  A step that fails is tried again (``retries``, after ``retry_wait_s``),
+each time after reading the fleet again; an instance the new placement keeps that no longer answers is
+launched again first, with the new placement's command for its GPU (its adapters the final ones: the
+steps that load them are then ``done``) -- before any step (preflight) and before a retry.  The first
+step that still fails stops the run (later steps are ``skipped``): the fleet stays in the last state the
+plan judged, never in one it did not.  ``progress.json`` in the output folder holds every step's outcome
+as it happens (a crash leaves it).
 """
 from __future__ import annotations
 
@@ -45,6 +55,8 @@ from twin.profile import load_profile
 ACTIONS = ("unload", "load", "launch", "route", "drain", "stop")
 #: wall seconds an HTTP call of a step may take
 CALL_TIMEOUT_S = 30.0
+#: the statuses of a step that leave the plan going: done by this run, found in effect, left to the operator
+SUCCESS = ("ok", "done", "left")
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,11 @@ class ApplyOptions:
     """Wall seconds between a drain's reads of ``/metrics``."""
     health_timeout_s: float = 900.0
     """Wall seconds a launched server has to answer ``/health``."""
+    retries: int = 2
+    """Times a failed step is tried again (after reading the fleet again, and launching a kept instance
+    that no longer answers)."""
+    retry_wait_s: float = 1.0
+    """Wall seconds before a failed step is tried again."""
 
 
 @dataclass
@@ -81,8 +98,11 @@ class StepResult:
     started_s: float = float("nan")
     ended_s: float = float("nan")
     status: str = "skipped"
-    """``ok``, ``failed``, ``skipped`` (an earlier step failed) or ``left`` (a stop left to the operator)."""
+    """``ok``, ``done`` (its effect was in place already: not acted on), ``failed``, ``skipped`` (an earlier
+    step failed) or ``left`` (a stop left to the operator)."""
     detail: str = ""
+    tries: int = 0
+    """Times the step was carried out (0: done already or skipped)."""
 
 
 @dataclass
@@ -107,6 +127,10 @@ class PlanExecutor:
         self.endpoints = dict(self.plan.get("endpoints") or {})
         # the instances serving when the plan starts (kept or to be stopped), in the plan's order
         self.running = [it["instance"] for it in self.plan.get("instances", []) if it.get("current_gpu") is not None]
+        # instance -> its GPU in the new placement, for those the plan keeps (a dead one is launched again)
+        self.kept = {it["instance"]: int(it["new_gpu"]) for it in self.plan.get("instances", [])
+                     if it.get("action") == "keep" and it.get("new_gpu") is not None}
+        self.stopping = {it["instance"]: it.get("action") == "stop" for it in self.plan.get("instances", [])}
         self.results = [StepResult(s.get("step", k + 1), s["action"], str(s.get("instance", "")))
                         for k, s in enumerate(steps)]
         if any(s["action"] == "route" for s in steps) and not self.opts.router:
@@ -122,7 +146,7 @@ class PlanExecutor:
     def live(self) -> dict[str, str]:
         """Instance name -> URL of those serving now: running at the start and not stopped by a
         step that ran, and those this executor launched."""
-        stopped = {r.instance for r in self.results if r.action == "stop" and r.status == "ok"}
+        stopped = {r.instance for r in self.results if r.action == "stop" and r.status in ("ok", "done")}
         names = self.running + [n for n in self.launched if self.launched[n].proc is not None]
         return {n: self.endpoints[n] for n in names if n not in stopped and n in self.endpoints}
 
@@ -132,12 +156,11 @@ class PlanExecutor:
         dead = []
         for name in sorted(self.running):
             url = self.endpoints.get(name)
-            try:
-                ok = url is not None and (await client.get(f"{url}/health", timeout=5.0)).status_code == 200
-            except Exception:           # noqa: BLE001 - any failure to answer is "not running"
-                ok = False
-            if not ok:
-                dead.append(f"{name} ({url})")
+            if url is None or await self.healthy(client, url) or self.stopping.get(name):
+                continue                # a dead instance the plan stops: its drain and stop are done already
+            why = await self.revive(name) if name in self.kept else "not kept on a GPU of the new placement"
+            if why:
+                dead.append(f"{name} ({url}; {why})")
         if dead:
             raise InputError(f"plan: instances not answering /health: {', '.join(dead)}")
         if self.opts.router:
@@ -161,21 +184,104 @@ class PlanExecutor:
         return r.json()
 
     async def run(self, client, on_step=None) -> list[StepResult]:
-        """Every step in order; stops at the first failure.  ``on_step(result)`` after each."""
+        """Every step in order, each unless its effect is in place already, tried again when it fails;
+        stops at the first that still fails.  ``on_step(result)`` after each."""
         steps = self.plan["steps"]
         for k, s in enumerate(steps):
             res = self.results[k]
             res.started_s = self.now()
-            try:
-                res.status, res.detail = await self._do(client, s, steps[k - 1] if k else None)
-            except Exception as exc:    # noqa: BLE001 - a step that fails is a result, the fleet stays as it is
-                res.status, res.detail = "failed", f"{type(exc).__name__}: {exc}"
+            await self._reconcile(client, s, steps[k - 1] if k else None, res)
             res.ended_s = self.now()
             if on_step is not None:
                 on_step(res)
             if res.status == "failed":
                 break
         return self.results
+
+    async def _reconcile(self, client, s: dict, previous: dict | None, res: StepResult) -> None:
+        revived = False
+        for attempt in range(self.opts.retries + 1):
+            try:
+                found = await self.in_effect(client, s)
+            except Exception:           # noqa: BLE001 - a fleet that cannot be read: act
+                found = ""
+            if found:
+                res.status, res.detail = ("done", f"in effect already: {found}") if attempt == 0 else (
+                    "ok", f"in effect after {res.tries} failed {'try' if res.tries == 1 else 'tries'}"
+                          f"{' and a launch' if revived else ''}: {found}")
+                if s["action"] == "route":
+                    self._note_routes(s)
+                return
+            if attempt:
+                await asyncio.sleep(self.opts.retry_wait_s)
+                if s.get("instance") in self.kept and not await self.healthy(client, self.endpoints[s["instance"]]):
+                    why = await self.revive(s["instance"])
+                    if why:
+                        res.detail += f"; launching it again failed: {why}"
+                        return
+                    revived = True
+                    continue                # read the fleet again: the relaunch may have done the step
+            res.tries += 1
+            try:
+                res.status, res.detail = await self._do(client, s, previous)
+            except Exception as exc:    # noqa: BLE001 - a step that fails is a result, the fleet stays as it is
+                res.status, res.detail = "failed", f"{type(exc).__name__}: {exc}"
+            if res.status != "failed":
+                if attempt:
+                    res.detail += f" (try {attempt + 1})"
+                return
+
+    async def healthy(self, client, url: str) -> bool:
+        try:
+            return (await client.get(f"{url}/health", timeout=5.0)).status_code == 200
+        except Exception:               # noqa: BLE001 - any failure to answer is "not running"
+            return False
+
+    async def _loaded(self, client, url: str) -> set | None:
+        """The model ids an instance serves (``/v1/models``); None when it does not answer them."""
+        try:
+            r = await client.get(f"{url}/v1/models", timeout=CALL_TIMEOUT_S)
+            return {m["id"] for m in r.json()["data"]} if r.status_code == 200 else None
+        except Exception:               # noqa: BLE001
+            return None
+
+    async def in_effect(self, client, s: dict) -> str:
+        """Why the step's effect is already in place on the fleet ('' when it is not, or cannot be read)."""
+        action = s["action"]
+        if action in ("load", "unload"):
+            name = s["request"]["json"]["lora_name"]
+            ids = await self._loaded(client, self.endpoints.get(s["instance"]) or s["request"]["url"].rsplit("/v1/", 1)[0])
+            if ids is None or (name in ids) != (action == "load"):
+                return ""
+            return f"{name} {'is' if action == 'load' else 'is not'} loaded on {s['instance']}"
+        if action == "route":
+            doc = await self._router_table(client)
+            for aid, dests in s["weights"].items():
+                want = {url.rstrip("/") + "/v1": w for _, url, w in dests}
+                have = {e["endpoint"].rstrip("/"): e["weight"] for e in doc.get("routes", {}).get(aid, [])}
+                if set(want) != set(have) or any(abs(want[e] / sum(want.values()) - have[e] / sum(have.values())) > 1e-9
+                                                 for e in want):
+                    return ""
+            return f"the router routes {len(s['weights'])} adapter(s) so already"
+        url = s.get("url") if action == "launch" else self.endpoints.get(s["instance"])
+        up = url is not None and await self.healthy(client, url)
+        if action == "launch" and up:
+            self.endpoints[s["instance"]] = url
+            return f"{s['instance']} answers /health at {url}"
+        if action in ("drain", "stop") and not up:
+            return f"{s['instance']} is not running"
+        return ""
+
+    async def revive(self, name: str) -> str:
+        """Launch a kept instance that no longer answers again, with the new placement's command for its
+        GPU, on its URL; '' when it answers, else why not."""
+        status, detail = await self._launch({"instance": name, "new_gpu": self.kept[name], "url": self.endpoints[name]})
+        return "" if status == "ok" else detail
+
+    def _note_routes(self, s: dict) -> None:
+        table = {aid: dests for aid, dests in s["weights"].items()}
+        self.routed |= {a for a, es in table.items() if es}
+        self.routed -= {a for a, es in table.items() if not es}
 
     async def _do(self, client, s: dict, previous: dict | None) -> tuple[str, str]:
         action = s["action"]
@@ -196,8 +302,7 @@ class PlanExecutor:
                                   timeout=CALL_TIMEOUT_S)
             if r.status_code != 200:
                 return "failed", f"router answered HTTP {r.status_code}: {r.text.strip()[:200]}"
-            self.routed |= {a for a, es in table.items() if es}
-            self.routed -= {a for a, es in table.items() if not es}
+            self._note_routes(s)
             return "ok", f"{len(table)} adapter(s) switched"
         if action == "launch":
             return await self._launch(s)
@@ -291,7 +396,12 @@ class PlanExecutor:
             return "ok", "terminated (launched by this run)"
         url = self.endpoints[name]
         r = await client.post(f"{url}/emulator/shutdown", timeout=CALL_TIMEOUT_S)
-        if r.status_code == 200:
+        if r.status_code == 200:        # it exits at its next tick: the step is done once it answers no more
+            t = time.perf_counter()
+            while await self.healthy(client, url):
+                if time.perf_counter() - t > CALL_TIMEOUT_S:
+                    return "failed", f"still answering /health {CALL_TIMEOUT_S:g} s after POST /emulator/shutdown"
+                await asyncio.sleep(0.05)
             return "ok", "emulated instance shut down"
         return "left", (f"not started by lora-opt (POST /emulator/shutdown: HTTP {r.status_code}): it has no traffic "
                         "now; stop its vLLM process")

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from lora_opt.apply.executor import ApplyOptions, PlanExecutor
+from lora_opt.apply.executor import SUCCESS, ApplyOptions, PlanExecutor
 from lora_opt.apply.transition import WINDOWS, TrafficOptions, measure
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_rows, atomic_write_text
@@ -55,6 +55,27 @@ def _log_step(res) -> None:
     log.info("step %3d %-6s %-10s %-7s %s", res.step, res.action, res.instance, res.status, res.detail[:120])
 
 
+def _journal(ex: PlanExecutor, plan_path, out: Path):
+    """``on_step``: log the step, and write every step's outcome so far to ``out/progress.json`` (a run
+    that dies leaves what it did; applying the plan again finds those steps in effect)."""
+    previous = out / "progress.json"
+    if previous.is_file():
+        try:
+            last = json.loads(previous.read_text())
+            ran = [s for s in last.get("steps", []) if s.get("status") != "skipped"]
+            if last.get("plan") == str(plan_path) and ran:
+                log.info("a previous run of this plan got to step %d (%s): steps in effect are marked done",
+                         ran[-1]["step"], ran[-1]["status"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    def on_step(res) -> None:
+        _log_step(res)
+        atomic_write_json(out / "progress.json", {"plan": str(plan_path), "steps": [asdict(r) for r in ex.results]},
+                          indent=1)
+    return on_step
+
+
 def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, workload=None,
                traffic: TrafficOptions = TrafficOptions(), keep_launched: bool = False,
                tracking_uri: str | None = None, track: bool = True) -> tuple[dict, int]:
@@ -66,15 +87,16 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
     out = Path(out)
     opts = dataclasses.replace(opts, log_dir=out / "logs")
     ex = PlanExecutor(plan, placement, opts)
+    on_step = _journal(ex, plan_path, out)
     interrupted = False
     try:
         try:
             if workload is not None:
                 if not opts.router:
                     raise InputError("--router: traffic flows through the router; give its URL")
-                got = asyncio.run(measure(ex, workload, opts.router.rstrip("/") + "/v1", traffic, on_step=_log_step))
+                got = asyncio.run(measure(ex, workload, opts.router.rstrip("/") + "/v1", traffic, on_step=on_step))
             else:
-                got = asyncio.run(_steps_only(ex))
+                got = asyncio.run(_steps_only(ex, on_step))
         except KeyboardInterrupt:       # the steps done so far are written; the requests are not kept
             interrupted = True
             got = {"steps": ex.results, "verdict": {"ok": False, "steps_ok": False, "interrupted": True}}
@@ -91,7 +113,7 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
                "options": {k: str(v) for k, v in asdict(opts).items()}, "traffic": asdict(traffic)}
     written = [atomic_write_json(out / "apply.json", summary, indent=1),
                atomic_write_rows(out / "steps.csv", steps, ("step", "action", "instance", "started_s", "ended_s",
-                                                            "status", "detail"))]
+                                                            "status", "tries", "detail"))]
     if "rows" in got:
         cols = list(got["rows"][0]) if got["rows"] else ["request"]
         written.append(atomic_write_rows(out / "requests.csv", got["rows"], cols))
@@ -111,13 +133,13 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
     return summary, EXIT_OK if got["verdict"]["ok"] else EXIT_NOT_ACCEPTABLE
 
 
-async def _steps_only(ex: PlanExecutor) -> dict:
+async def _steps_only(ex: PlanExecutor, on_step=_log_step) -> dict:
     import httpx  # only when applying
 
     async with httpx.AsyncClient(trust_env=False) as client:
         await ex.preflight(client)
-        steps = await ex.run(client, on_step=_log_step)
-    ok = all(s.status in ("ok", "left") for s in steps)
+        steps = await ex.run(client, on_step=on_step)
+    ok = all(s.status in SUCCESS for s in steps)
     return {"steps": steps, "verdict": {"ok": ok, "steps_ok": ok}}
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lora_opt.apply.executor import PlanExecutor
+from lora_opt.apply.executor import SUCCESS, PlanExecutor
 from lora_opt.emulate.client import replay_routed, server_prompt_tokens
 from lora_opt.errors import InputError
 from lora_opt.placement.evaluate import workload_requests
@@ -85,7 +85,7 @@ def verdict(win: dict, steps: list, slo_ttft_p99_s: float, starving_at_start: li
     running placement (``starving_at_start``), the twin predicted a queue there, not the bound."""
     failed = sum(win[w]["failed"] for w in WINDOWS)
     p99 = win["during"]["ttft_p99_ms"]
-    steps_ok = all(s.status in ("ok", "left") for s in steps)
+    steps_ok = all(s.status in SUCCESS for s in steps)
     bound_applies = not starving_at_start
     ttft_ok = not math.isnan(p99) and p99 <= 1000.0 * slo_ttft_p99_s
     return {"ok": steps_ok and failed == 0 and (ttft_ok or not bound_applies), "steps_ok": steps_ok,

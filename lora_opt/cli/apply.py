@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from lora_opt.cli.conventions import POSITIVE_S, add_tracking_flag, finite_float
+from lora_opt.cli.conventions import POSITIVE_S, add_tracking_flag, finite_float, int_range
 from lora_opt.cli.probe import SERVER_CMD_ENV
 
 
@@ -36,6 +36,9 @@ def register(sub) -> None:
                    help="wall seconds between a route switch and the unloads after it (default 0.5)")
     a.add_argument("--drain-timeout-s", type=POSITIVE_S, default=600.0,
                    help="wall seconds a drain may take before it fails (default 600)")
+    a.add_argument("--retries", type=int_range(0, 100), default=2,
+                   help="times a failed step is tried again, after reading the fleet again and launching a kept "
+                        "instance that no longer answers (default 2)")
     a.add_argument("--keep-launched", action="store_true",
                    help="leave the instances this run launched running when it ends (default: stopped)")
     a.add_argument("--out", help="output directory (default: outputs/apply-<plan folder>)")
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     wl = load_workload(args.workload) if args.workload else None
     folder = Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent
     opts = ApplyOptions(router=args.router, model=args.model, server_cmd=args.server_cmd, adapter_dir=args.adapter_dir,
-                        unload_grace_s=args.unload_grace_s, drain_timeout_s=args.drain_timeout_s)
+                        unload_grace_s=args.unload_grace_s, drain_timeout_s=args.drain_timeout_s,
+                        retries=args.retries)
     traffic = TrafficOptions(speed=args.speed, start_after_s=args.start_after_s, duration_s=args.duration_s)
     summary, code = apply_plan(args.plan, opts=opts, out=args.out or f"outputs/apply-{folder.resolve().name}",
                                workload=wl, traffic=traffic, keep_launched=args.keep_launched,
