@@ -430,3 +430,16 @@ def test_a_kept_instance_that_dies_is_launched_again_and_a_plan_applied_again_is
         for summary in summaries:
             _stop_launched(summary)
         fleet.stop()
+
+
+def test_a_transition_with_no_request_during_its_steps_is_judged_on_the_rest():
+    """A plan found in effect takes milliseconds: no request is sent while it runs, so there is no p99 to
+    bound -- not a failure; requests sent during the steps with none answered still are."""
+    from lora_opt.apply.executor import StepResult
+    from lora_opt.apply.transition import verdict, windows
+    rows = [{"window": "before", "status": "ok", "ttft_ms": 100.0}, {"window": "after", "status": "ok", "ttft_ms": 90.0}]
+    steps = [StepResult(1, "route", "", 0.0, 0.01, "done")]
+    v = verdict(windows(rows, 1.0, 1.01), steps, 5.0, [])
+    assert v["ok"] and v["requests_during"] == 0 and v["ttft_within_slo"]
+    rows.append({"window": "during", "status": "unfinished", "ttft_ms": float("nan")})
+    assert not verdict(windows(rows, 1.0, 1.01), steps, 5.0, [])["ok"]

@@ -179,9 +179,10 @@ def report_md(summary: dict) -> str:
     """The transition as a table per window and the steps' outcome."""
     v, win = summary["verdict"], summary["windows"]
     lines = [f"# Replan applied under traffic: {summary['plan']}", "",
-             f"Verdict: **{'ok' if v['ok'] else 'NOT ok'}** -- failed requests {v['failed_requests']}, p99 TTFT "
-             f"during the steps {v['ttft_p99_during_ms']:.0f} ms (bound of the plan's states "
-             f"{v['slo_ttft_p99_ms']:.0f} ms), every step ran: {v['steps_ok']}."
+             f"Verdict: **{'ok' if v['ok'] else 'NOT ok'}** -- failed requests {v['failed_requests']}, "
+             + (f"p99 TTFT during the steps {v['ttft_p99_during_ms']:.0f} ms" if not math.isnan(v["ttft_p99_during_ms"])
+                else f"no p99 TTFT during the steps ({v.get('requests_during', 0)} requests sent while they ran)")
+             + f" (bound of the plan's states {v['slo_ttft_p99_ms']:.0f} ms), every step ran: {v['steps_ok']}."
              + ("" if v["slo_applies"] else f" The bound does not apply: the twin judged the running placement "
                 f"starving under the new demand before any step ({', '.join(v['starving_at_start'])})."), "",
              "| window | sent | ok | failed | held | unfinished | TTFT mean ms | p50 | p99 | max |",

@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
             d = w[name]
             print(f"{name:<7} sent {d['requests']:>5}  ok {d['ok']:>5}  failed {d['failed']:>3}  held {d['held']:>4}  "
                   f"TTFT p50 {d['ttft_p50_ms']:>7.0f} ms  p99 {d['ttft_p99_ms']:>7.0f} ms")
-        print(f"failed requests {v['failed_requests']}; p99 TTFT during the steps {v['ttft_p99_during_ms']:.0f} ms "
+        during = (f"p99 TTFT during the steps {v['ttft_p99_during_ms']:.0f} ms" if v["requests_during"]
+                  else "no request sent during the steps")
+        print(f"failed requests {v['failed_requests']}; {during} "
               f"(bound of the plan's states {v['slo_ttft_p99_ms']:.0f} ms"
               + (")" if v["slo_applies"] else f"; not applicable: the twin judged {', '.join(v['starving_at_start'])} "
                  "starving under the new demand before any step)"))
