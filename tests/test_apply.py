@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import re
 import shlex
 import socket
 import sys
@@ -374,7 +375,8 @@ def _until_refused(url: str, within_s: float = 20.0) -> None:
     raise AssertionError(f"{url} still answers")
 
 
-def test_a_kept_instance_that_dies_is_launched_again_and_a_plan_applied_again_is_all_done(onboarding, tmp_path):
+def test_a_kept_instance_that_dies_is_launched_again_and_a_plan_applied_again_is_all_done(onboarding, tmp_path,
+                                                                                            capsys):
     """The reconciler on an emulated fleet.  A kept instance that dies in the middle of the plan (shut down
     after step 1): the step on it that fails is tried again after launching it again with the new
     placement's command for its GPU -- which loads its final adapters, so that step is then in effect.  The
@@ -420,8 +422,15 @@ def test_a_kept_instance_that_dies_is_launched_again_and_a_plan_applied_again_is
         summaries.append(again)
         assert code == EXIT_OK and {s["status"] for s in again["steps"]} == {"done"}, again["steps"]
         assert all(s["tries"] == 0 for s in again["steps"]) and not again["launched"]
-        # dead before any step: the preflight launches it again
+        # dead before any step: --dry-run says so and changes nothing; the preflight launches it again
         shutdown(victim)
+        _until_refused(victim)
+        assert main(["apply", str(d / "plan"), "--router", f"http://127.0.0.1:{router}", "--dry-run"]) == EXIT_OK
+        out = capsys.readouterr().out
+        assert re.search(rf"keep\s+{later[0]['instance']}\s+DEAD", out) and "would be launched again" in out
+        # what cannot be read on the dead instance is to do; everything else is in effect
+        on_it = sum(s.get("instance") == later[0]["instance"] and s["action"] in ("load", "unload") for s in plan["steps"])
+        assert f"{on_it} step(s) to do, {len(plan['steps']) - on_it} in effect" in out and "nothing was changed" in out
         _until_refused(victim)
         third, code = apply_plan(d / "plan", opts=opts, out=tmp_path / "third", keep_launched=True, track=False)
         summaries.append(third)

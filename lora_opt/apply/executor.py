@@ -272,6 +272,32 @@ class PlanExecutor:
             return f"{s['instance']} is not running"
         return ""
 
+    async def diff(self, client) -> list[dict]:
+        """What the plan would still do, acting on nothing (``apply --dry-run``): per step ``in effect``
+        (and why) or ``to do``; per instance the plan keeps or stops, whether it answers.  Each step is read
+        against the fleet as it is now, not as the steps before it would leave it."""
+        rows = []
+        for name in self.running:
+            url = self.endpoints.get(name)
+            up = url is not None and await self.healthy(client, url)
+            fate = "stop" if self.stopping.get(name) else "keep"
+            if up:
+                detail = url
+            else:
+                detail = f"{url}: would be launched again" if name in self.kept else f"{url}: not answering"
+            rows.append({"step": None, "action": fate, "instance": name, "state": "answers" if up else "DEAD",
+                         "detail": detail or ""})
+        for s in self.plan["steps"]:
+            try:
+                found = await self.in_effect(client, s)
+            except Exception as exc:    # noqa: BLE001 - reported, nothing done
+                found, why = "", f"cannot read the fleet: {type(exc).__name__}: {exc}"
+            else:
+                why = s.get("why", "")
+            rows.append({"step": s.get("step"), "action": s["action"], "instance": str(s.get("instance", "")),
+                         "state": "in effect" if found else "to do", "detail": found or why})
+        return rows
+
     async def revive(self, name: str) -> str:
         """Launch a kept instance that no longer answers again, with the new placement's command for its
         GPU, on its URL; '' when it answers, else why not."""

@@ -39,6 +39,9 @@ def register(sub) -> None:
     a.add_argument("--retries", type=int_range(0, 100), default=2,
                    help="times a failed step is tried again, after reading the fleet again and launching a kept "
                         "instance that no longer answers (default 2)")
+    a.add_argument("--dry-run", action="store_true",
+                   help="print what the plan would still do on the fleet as it is (each step in effect or to do, "
+                        "each running instance answering or dead) and act on nothing")
     a.add_argument("--keep-launched", action="store_true",
                    help="leave the instances this run launched running when it ends (default: stopped)")
     a.add_argument("--out", help="output directory (default: outputs/apply-<plan folder>)")
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.placement.replan_steps import step_counts
     from lora_opt.placement.workload_file import load_workload
 
+    if args.dry_run:
+        return dry_run(args)
     wl = load_workload(args.workload) if args.workload else None
     folder = Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent
     opts = ApplyOptions(router=args.router, model=args.model, server_cmd=args.server_cmd, adapter_dir=args.adapter_dir,
@@ -87,3 +92,31 @@ def run(args: argparse.Namespace) -> int:
     for w in summary["written"]:
         print(f"  -> {w}")
     return code
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """``apply --dry-run``: the difference between the fleet as it is and the plan's end, nothing acted on."""
+    import asyncio
+
+    import httpx
+
+    from lora_opt.apply.executor import ApplyOptions, PlanExecutor
+    from lora_opt.apply.run import read_plan
+
+    plan, placement, _ = read_plan(args.plan)
+    ex = PlanExecutor(plan, placement, ApplyOptions(router=args.router))
+
+    async def read():
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await ex.diff(client)
+    rows = asyncio.run(read())
+    if args.json:
+        sys.stdout.write(json.dumps({"plan": str(args.plan), "diff": rows}) + "\n")
+        return 0
+    todo = sum(r["state"] == "to do" for r in rows)
+    for r in rows:
+        step = f"{r['step']:>4}" if r["step"] is not None else "   -"
+        print(f"{step} {r['action']:<7} {r['instance']:<8} {r['state']:<9} {r['detail'][:110]}")
+    print(f"{todo} step(s) to do, {sum(r['state'] == 'in effect' for r in rows)} in effect; "
+          f"{sum(r['state'] == 'DEAD' for r in rows)} running instance(s) not answering (nothing was changed)")
+    return 0
