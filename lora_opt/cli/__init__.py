@@ -15,13 +15,14 @@ import sys
 from lora_opt import no_network_env  # noqa: F401  (sets the no-network environment defaults)
 from lora_opt import __version__
 from lora_opt.cli import (apply, bench, calibrate, calibrate_e2e, dataset, emulate, error_model, evaluate, fidelity,
-                          ingest, pareto, place, probe, replan, schedule, search, simulate, train, validate)
+                          ingest, operate, pareto, place, probe, replan, schedule, search, simulate, train,
+                          validate)
 from lora_opt.cli.conventions import EPILOG, add_logging_flags, setup_logging, verbosity
 from lora_opt.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
 #: the commands, in the order ``lora-opt --help`` lists them
 COMMANDS = (simulate, bench, calibrate, calibrate_e2e, dataset, train, place, evaluate, replan, schedule, search,
-            pareto, fidelity, error_model, emulate, validate, ingest, probe, apply)
+            pareto, fidelity, error_model, emulate, validate, ingest, probe, apply, operate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -467,6 +467,8 @@ def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: 
     # the bound every state was judged against: what a measured transition is held to (lora-opt apply)
     plan["slo"] = {"ttft_p99_s": policy.ttft_p99_s}
     placement = target_placement(best, wl, policy, current, time.perf_counter() - t0)
+    # where each instance of the new placement listens: the next replan of it (lora-opt operate) starts there
+    placement.meta["endpoints"] = [plan["endpoints"].get(n) for n in placement.meta["instances"]]
     return Replan(best, cands, placement, plan)
 
 
