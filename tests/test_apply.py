@@ -452,3 +452,51 @@ def test_a_transition_with_no_request_during_its_steps_is_judged_on_the_rest():
     assert v["ok"] and v["requests_during"] == 0 and v["ttft_within_slo"]
     rows.append({"window": "during", "status": "unfinished", "ttft_ms": float("nan")})
     assert not verdict(windows(rows, 1.0, 1.01), steps, 5.0, [])["ok"]
+
+
+def test_apply_killed_mid_plan_is_finished_by_the_next_apply_without_repeating_a_step(onboarding, tmp_path):
+    """``kill -9`` of ``lora-opt apply`` once it has carried out 3 steps (its progress.json says so); the
+    next apply of the same plan finds those steps in effect (``done``: no adapter loaded twice, nothing
+    launched twice -- the killed run's instances outlived it) and finishes the plan."""
+    import subprocess
+    import time
+    d, port = onboarding
+    plan = json.loads((d / "plan" / "plan.json").read_text())
+    router = free_ports(1)
+    fleet = Emulator(["--placement", str(d / "before"), "--base-port", str(port), "--router-port", str(router),
+                      "--speed", str(SPEED)], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    server_cmd = shlex.join([sys.executable, "-m", "lora_opt.cli", "emulate", "--profile", PROFILE, "--speed", str(SPEED)])
+    common = ["--router", f"http://127.0.0.1:{router}", "--server-cmd", server_cmd, "--adapter-dir", str(d / "adapters"),
+              "--no-track"]
+    proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "apply", str(d / "plan"), *common,
+                             "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                ran = [s for s in json.loads((tmp_path / "killed" / "progress.json").read_text())["steps"]
+                       if s["status"] == "ok"]
+            except (OSError, ValueError):
+                ran = []
+            if len(ran) >= 3 or proc.poll() is not None or time.time() > deadline:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "apply ended before it could be killed"
+        proc.kill()                                         # kill -9
+        proc.wait()
+        assert main(["apply", str(d / "plan"), *common, "--out", str(tmp_path / "again")]) == EXIT_OK
+        again = {s["step"]: s for s in json.loads((tmp_path / "again" / "apply.json").read_text())["steps"]}
+        for s in ran:                                       # what the killed run did is not done again
+            assert again[s["step"]]["status"] == "done" and again[s["step"]]["tries"] == 0, again[s["step"]]
+        assert all(s["status"] in SUCCESS for s in again.values())
+        launched = set(json.loads((tmp_path / "again" / "apply.json").read_text())["launched"])
+        assert launched == {s["instance"] for s in again.values() if s["action"] == "launch" and s["status"] == "ok"}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for name, url in plan["endpoints"].items():        # the killed run's launched instances outlived it
+            try:
+                urllib.request.urlopen(urllib.request.Request(url + "/emulator/shutdown", method="POST"), timeout=5)
+            except OSError:
+                pass
+        fleet.stop()
