@@ -97,6 +97,10 @@ def test_operate_consolidates_a_fleet_whose_demand_dropped_then_keeps_it(tmp_pat
         with httpx.Client(timeout=30, trust_env=False) as c:
             text = c.get(f"http://127.0.0.1:{front}/metrics").text
         assert "inference_model_request_error_total{" not in text, text[-2000:]
+        # a router that lost its table (restarted from its file): the next cycle puts it back
+        with httpx.Client(timeout=30, trust_env=False) as c:
+            routed = c.get(f"http://127.0.0.1:{front}/router/routes").json()["routes"]
+            assert c.post(f"http://127.0.0.1:{front}/router/routes", json={"routes": {ids[0]: []}}).status_code == 200
         # Prometheus gone: the cycle reads no demand, changes nothing, says why; a restarted operate continues
         prom.stop()
         prom = None
@@ -104,6 +108,9 @@ def test_operate_consolidates_a_fleet_whose_demand_dropped_then_keeps_it(tmp_pat
         rows = list(csv.DictReader(open(out / "cycles.csv")))
         assert [r["cycle"] for r in rows] == ["1", "2", "3"] and rows[2]["decision"] == "keep"
         assert "no demand read" in rows[2]["why"] and "does not answer" in rows[2]["why"]
+        assert rows[2]["router_fixed"] == "1" and rows[1]["router_fixed"] == "0"
+        with httpx.Client(timeout=30, trust_env=False) as c:
+            assert c.get(f"http://127.0.0.1:{front}/router/routes").json()["routes"] == routed
     finally:
         stop.set()
         if prom is not None:

@@ -4,7 +4,8 @@ the plan (:mod:`lora_opt.apply.run`), with hysteresis: a new plan is carried out
 a GPU of the running placement would starve under the demand, so noise in the demand does not flap the
 fleet.
 
-Each cycle is one MLflow run (experiment ``operate``) and one line of ``cycles.csv``; ``operate-state.json``
+Each cycle first puts the router's table back to the running placement's where it differs (a router
+restarted from its own file gets its table back).  Each cycle is one MLflow run (experiment ``operate``) and one line of ``cycles.csv``; ``operate-state.json``
 (atomic, after every cycle) holds the placement the fleet runs and the cycle count, so an ``operate``
 restarted with the same ``--out`` continues from there.  A cycle whose demand cannot be read (Prometheus
 down, no series) changes nothing and says why; the loop goes on.  Ctrl-C stops it between steps: the
@@ -29,6 +30,7 @@ from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.prometheus_demand import read_demand, workload_from_demand
 from lora_opt.placement.replan import ReplanCosts, replan
 from lora_opt.placement.report import write_outputs
+from lora_opt.placement.vllm_launch import router_table
 from lora_opt.tracking import log_command_run
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,8 @@ log = logging.getLogger(__name__)
 #: MLflow experiment of operate's cycles
 EXPERIMENT = "operate"
 STATE_FILE = "operate-state.json"
-CYCLE_COLUMNS = ("cycle", "started", "demand_requests", "gpus_running", "gpus_planned", "decision", "why",
-                 "steps", "apply_exit", "wall_s")
+CYCLE_COLUMNS = ("cycle", "started", "router_fixed", "demand_requests", "gpus_running", "gpus_planned", "decision",
+                 "why", "steps", "apply_exit", "wall_s")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class OperateConfig:
             raise InputError(f"--interval-s: must be > 0, got {self.interval_s}")
         if self.cycles is not None and self.cycles < 1:
             raise InputError(f"--cycles: must be >= 1, got {self.cycles}")
+
+
+def _shares(entries: list) -> dict:
+    total = sum(float(e["weight"]) for e in entries) or 1.0
+    return {e["endpoint"].rstrip("/"): round(float(e["weight"]) / total, 9) for e in entries}
 
 
 def gpus_in_use(p: Placement) -> int:
@@ -103,14 +110,34 @@ class Operator:
             log.info("continuing from cycle %d: the fleet runs %s", self.cycle, self.current_path)
         self.current = Placement.load(self.current_path)
 
+    def sync_router(self) -> int:
+        """The router's table back to the running placement's where it differs (a restarted router starts
+        from its own file): the adapters whose routes were rewritten."""
+        import httpx  # only when operating
+
+        want = router_table(self.current, host=self.cfg.host, base_port=self.cfg.base_port)
+        url = f"{self.cfg.router.rstrip('/')}/router/routes"
+        with httpx.Client(timeout=30.0, trust_env=False) as c:
+            have = c.get(url).raise_for_status().json().get("routes", {})
+            diff = {a: es for a, es in want.items() if _shares(have.get(a, [])) != _shares(es)}
+            if diff:
+                c.post(url, json={"routes": diff}).raise_for_status()
+        return len(diff)
+
     def run_cycle(self) -> dict:
-        """One cycle: demand -> replan -> (hysteresis) apply; the row of ``cycles.csv``."""
+        """One cycle: the router's table checked -> demand -> replan -> (hysteresis) apply; the row of
+        ``cycles.csv``."""
         t0 = time.time()
         self.cycle += 1
         row = {"cycle": self.cycle, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                "demand_requests": None, "gpus_running": gpus_in_use(self.current), "gpus_planned": None,
-               "decision": "keep", "why": "", "steps": 0, "apply_exit": None}
+               "decision": "keep", "why": "", "steps": 0, "apply_exit": None, "router_fixed": None}
         folder = self.out / f"cycle-{self.cycle:04d}"
+        try:
+            row["router_fixed"] = self.sync_router()
+        except Exception as exc:            # noqa: BLE001 - a router that cannot be read: nothing can change now
+            row["why"] = f"the router at {self.cfg.router} cannot be read or set: {type(exc).__name__}: {exc}"
+            return self._close(row, t0, [])
         try:
             demand = read_demand(self.cfg.prometheus, self.cfg.window, at=t0)
             wl = workload_from_demand(workload_from_placement(self.current), demand)

@@ -127,8 +127,12 @@ def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1"
 
 
 def router_table(p: Placement, *, host: str = "127.0.0.1", base_port: int = 8000) -> dict:
-    """adapter id -> [{"endpoint", "weight"}] (GPU i listens on base_port + i)."""
-    return {aid: [{"endpoint": f"http://{host}:{base_port + g}/v1", "weight": w} for g, w in rs]
+    """adapter id -> [{"endpoint", "weight"}] (GPU i listens on base_port + i, or where a replanned
+    placement says its instance listens: ``meta.endpoints``)."""
+    known = p.meta.get("endpoints")
+    if not (isinstance(known, list) and len(known) == len(p.gpus) and all(isinstance(u, str) for u in known)):
+        known = [f"http://{host}:{base_port + g}" for g in range(len(p.gpus))]
+    return {aid: [{"endpoint": f"{known[g].rstrip('/')}/v1", "weight": w} for g, w in rs]
             for aid, rs in p.routes.items()}
 
 
