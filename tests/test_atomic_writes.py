@@ -21,8 +21,10 @@ DIRECT_WRITES = re.compile(r"""open\([^)]*["'][wax]b?\+?["']|\.write_text\(|\.wr
                            r"""savefig\((?!buf\b)|\.to_(csv|parquet|json)\((?!\)|buf\b|\w+=)|safe_dump\([^)]*,\s*fh""")
 #: direct writes that are not whole outputs: scenario files the emulator benchmark puts in its own
 #: TemporaryDirectory, read back by the server it launches and deleted with the directory; the log a
-#: launched vLLM server streams into while it runs (`probe --launch`), which no rename could make whole
-NOT_OUTPUTS = {("lora_opt/bench/emulate.py", "Path(path).write_text(yaml.safe_dump(scenario))"),
+#: launched vLLM server streams into while it runs (`probe --launch`) and the one a Prometheus started
+#: for a test streams into, which no rename could make whole
+NOT_OUTPUTS = {("lora_opt/bench/prometheus_server.py", 'self.log = open(self.dir / "prometheus.log", "w")'),
+               ("lora_opt/bench/emulate.py", "Path(path).write_text(yaml.safe_dump(scenario))"),
                ("lora_opt/bench/emulate.py", "Path(path).write_text(yaml.safe_dump(CAPACITY_SCENARIO))"),
                ("lora_opt/probe/launch.py", 'log = open(self.log_path, "wb")')}
 
