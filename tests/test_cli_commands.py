@@ -27,7 +27,7 @@ def test_every_command_module_registers_one_command_with_a_run():
     subs = _subparsers(cli.build_parser())
     assert list(subs) == ["simulate", "bench", "calibrate", "calibrate-e2e", "dataset", "train", "place",
                           "evaluate", "replan", "schedule", "search", "pareto", "fidelity", "error-model", "emulate",
-                          "validate", "ingest", "probe", "apply"]
+                          "validate", "ingest", "probe", "apply", "operate"]
     for name, p in subs.items():
         run = p.get_default("run")
         assert callable(run) and run.__module__.startswith("lora_opt.cli."), name
