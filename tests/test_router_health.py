@@ -118,7 +118,7 @@ def _wait_state(c, front: str, endpoint: str, state: str, within_s: float = 10.0
     while True:
         doc = c.get(front + "/router/routes").json()
         if doc["health"][endpoint]["state"] == state or time.time() > deadline:
-            assert doc["health"][endpoint]["state"] == state, doc["health"]
+            assert doc["health"][endpoint]["state"] == state, (doc["health"], doc["health_checks"])
             return doc
         time.sleep(0.05)
 
@@ -186,6 +186,13 @@ def test_emulate_fleet_with_one_instance_shut_down_answers_every_request():
         with httpx.Client(timeout=60, trust_env=False) as c:
             down = f"http://127.0.0.1:{base + 1}"
             assert c.post(down + "/emulator/shutdown").status_code == 200
+            deadline = time.time() + 20                  # it stops listening at its server's next tick
+            while time.time() < deadline:
+                try:
+                    c.get(down + "/health", timeout=2)
+                except httpx.TransportError:
+                    break
+                time.sleep(0.05)
             codes = [c.post(f"http://127.0.0.1:{front}/v1/completions", json=COMPLETION).status_code
                      for _ in range(20)]
             assert codes == [200] * 20

@@ -391,7 +391,8 @@ def add_route_admin(app, table: RouteTable) -> None:
                 "connecting": dict(zip(table.endpoints, table.connecting.tolist())),
                 "in_flight": dict(zip(table.endpoints, table.view.in_flight.tolist())),
                 "retired": [table.endpoints[e] for e in sorted(table.retired)],
-                "health": {ep: table.health.state(e, e in table.retired) for e, ep in enumerate(table.endpoints)}}
+                "health": {ep: table.health.state(e, e in table.retired) for e, ep in enumerate(table.endpoints)},
+                "health_checks": {"running": table.health.checking, "rounds": table.health.rounds}}
 
     async def admin_call(request: Request, key: str, kind: type, expected: str, call):
         """A POST of the router's administration: ``{key: <kind>}`` -> ``call(value)``; 400 for a body that is

@@ -19,9 +19,12 @@ is not checked and never re-admitted by a check: only a new route to it brings i
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from lora_opt.placement.router_config import HealthChecks
+
+log = logging.getLogger(__name__)
 
 
 class EndpointHealth:
@@ -37,6 +40,8 @@ class EndpointHealth:
         self.passed = [0] * n            # passed checks in a row (counts while ejected)
         self.events: list[dict] = []
         """Every ejection and re-admission, in order: {"engine", "event", "reason", "at"}."""
+        self.rounds = 0
+        """Rounds of active checks done (``GET /router/routes``' ``health_rounds``: the checks are alive)."""
         self.checking = False
         """Whether the active checks run now (the router's lifespan sets it): without them nothing is
         ejected, as nothing could re-admit it."""
@@ -99,7 +104,7 @@ async def check_once(client, url: str, timeout_s: float) -> tuple[bool, str, boo
         return False, f"health check: connection refused ({exc or 'ConnectError'})", True
     except httpx.TimeoutException:
         return False, f"health check: no answer within {timeout_s:g} s", False
-    except (httpx.HTTPError, OSError) as exc:
+    except Exception as exc:            # noqa: BLE001 - whatever went wrong, the instance did not pass
         return False, f"health check: {type(exc).__name__}: {exc or 'connection lost'}", False
     if r.status_code != 200:
         return False, f"health check: HTTP {r.status_code}", False
@@ -125,9 +130,13 @@ async def _check_rounds(table, client) -> None:
     checks = health.checks
     while True:
         engines = [e for e in range(len(table.endpoints)) if e not in table.retired]
-        results = await asyncio.gather(*(check_once(client, health_url(table.endpoints[e], checks.endpoint),
-                                                    checks.timeout_s) for e in engines))
-        for e, (ok, why, refused) in zip(engines, results):
-            if e < len(health.failed):
-                health.record(e, ok, why, refused)
+        try:
+            results = await asyncio.gather(*(check_once(client, health_url(table.endpoints[e], checks.endpoint),
+                                                        checks.timeout_s) for e in engines))
+            for e, (ok, why, refused) in zip(engines, results):
+                if e < len(health.failed):
+                    health.record(e, ok, why, refused)
+        except Exception:               # noqa: BLE001 - the checks must outlive any one round (a dead loop
+            log.exception("router health checks: a round failed")    # would leave every instance "healthy")
+        health.rounds += 1
         await asyncio.sleep(checks.interval_s)
