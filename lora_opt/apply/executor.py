@@ -55,6 +55,18 @@ from twin.profile import load_profile
 ACTIONS = ("unload", "load", "launch", "route", "drain", "stop")
 #: wall seconds an HTTP call of a step may take
 CALL_TIMEOUT_S = 30.0
+def step_routes(s: dict) -> dict:
+    """A route step's table in the router's shape: adapter id -> [{endpoint, weight}]."""
+    return {aid: [{"endpoint": url.rstrip("/") + "/v1", "weight": w} for _, url, w in dests]
+            for aid, dests in s["weights"].items()}
+
+
+def route_shares(entries: list) -> dict:
+    """Endpoint -> its share of an adapter's routes: two tables route alike when these are equal."""
+    total = sum(float(e["weight"]) for e in entries) or 1.0
+    return {e["endpoint"].rstrip("/"): round(float(e["weight"]) / total, 9) for e in entries}
+
+
 #: the statuses of a step that leave the plan going: done by this run, found in effect, left to the operator
 SUCCESS = ("ok", "done", "left")
 
@@ -255,13 +267,9 @@ class PlanExecutor:
                 return ""
             return f"{name} {'is' if action == 'load' else 'is not'} loaded on {s['instance']}"
         if action == "route":
-            doc = await self._router_table(client)
-            for aid, dests in s["weights"].items():
-                want = {url.rstrip("/") + "/v1": w for _, url, w in dests}
-                have = {e["endpoint"].rstrip("/"): e["weight"] for e in doc.get("routes", {}).get(aid, [])}
-                if set(want) != set(have) or any(abs(want[e] / sum(want.values()) - have[e] / sum(have.values())) > 1e-9
-                                                 for e in want):
-                    return ""
+            have = (await self._router_table(client)).get("routes", {})
+            if any(route_shares(have.get(aid, [])) != route_shares(es) for aid, es in step_routes(s).items()):
+                return ""
             return f"the router routes {len(s['weights'])} adapter(s) so already"
         url = s.get("url") if action == "launch" else self.endpoints.get(s["instance"])
         up = url is not None and await self.healthy(client, url)
@@ -305,9 +313,8 @@ class PlanExecutor:
         return "" if status == "ok" else detail
 
     def _note_routes(self, s: dict) -> None:
-        table = {aid: dests for aid, dests in s["weights"].items()}
-        self.routed |= {a for a, es in table.items() if es}
-        self.routed -= {a for a, es in table.items() if not es}
+        self.routed |= {a for a, dests in s["weights"].items() if dests}
+        self.routed -= {a for a, dests in s["weights"].items() if not dests}
 
     async def _do(self, client, s: dict, previous: dict | None) -> tuple[str, str]:
         action = s["action"]
@@ -322,8 +329,7 @@ class PlanExecutor:
             ok = r.status_code == 200
             return ("ok" if ok else "failed"), f"HTTP {r.status_code}: {r.text.strip()[:200]}"
         if action == "route":
-            table = {aid: [{"endpoint": url.rstrip("/") + "/v1", "weight": w} for _, url, w in dests]
-                     for aid, dests in s["weights"].items()}
+            table = step_routes(s)
             r = await client.post(f"{self.opts.router.rstrip('/')}/router/routes", json={"routes": table},
                                   timeout=CALL_TIMEOUT_S)
             if r.status_code != 200:

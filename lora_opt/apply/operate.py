@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_opt.apply.executor import ApplyOptions
+from lora_opt.apply.executor import ApplyOptions, route_shares
 from lora_opt.apply.run import apply_plan
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_OK, InputError
 from lora_opt.io import atomic_write_json, atomic_write_rows
@@ -72,11 +72,6 @@ class OperateConfig:
             raise InputError(f"--cycles: must be >= 1, got {self.cycles}")
 
 
-def _shares(entries: list) -> dict:
-    total = sum(float(e["weight"]) for e in entries) or 1.0
-    return {e["endpoint"].rstrip("/"): round(float(e["weight"]) / total, 9) for e in entries}
-
-
 def gpus_in_use(p: Placement) -> int:
     return sum(1 for g in range(len(p.gpus)) if p.adapters_on(g))
 
@@ -119,7 +114,7 @@ class Operator:
         url = f"{self.cfg.router.rstrip('/')}/router/routes"
         with httpx.Client(timeout=30.0, trust_env=False) as c:
             have = c.get(url).raise_for_status().json().get("routes", {})
-            diff = {a: es for a, es in want.items() if _shares(have.get(a, [])) != _shares(es)}
+            diff = {a: es for a, es in want.items() if route_shares(have.get(a, [])) != route_shares(es)}
             if diff:
                 c.post(url, json={"routes": diff}).raise_for_status()
         return len(diff)

@@ -11,7 +11,7 @@ import dataclasses
 from collections import Counter
 from urllib.parse import urlparse
 
-from lora_opt.placement.vllm_launch import adapter_path
+from lora_opt.placement.vllm_launch import adapter_path, instance_urls
 
 #: the environment variable a vLLM instance needs for the runtime load/unload endpoints
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
@@ -113,12 +113,9 @@ def transition_plan(current, start, retired, cand, wl, judge, *, host: str = "12
                     base_port: int = 8000) -> dict:
     """The steps from ``start`` (the running instances under the new demand) to ``cand``, and the
     judged states (the first one: the running placement under the new demand, before any step)."""
-    known = current.meta.get("endpoints")          # a replanned placement says where its instances listen
-    if not (isinstance(known, list) and len(known) == len(current.gpus) and all(isinstance(u, str) for u in known)):
-        known = None
-    url = {it.name: known[it.origin] if known else f"http://{host}:{base_port + it.origin}" for it in start}
-    ports = [urlparse(u).port or 0 for u in known] if known else []
-    first_free = max([base_port + len(current.gpus) - 1, *ports]) + 1
+    urls = instance_urls(current, host=host, base_port=base_port)     # a replanned placement's own, else base_port + i
+    url = {it.name: urls[it.origin] for it in start}
+    first_free = max([base_port + len(current.gpus) - 1, *(urlparse(u).port or 0 for u in urls)]) + 1
     launched = [it for it in cand.instances if it.origin is None]
     for k, it in enumerate(launched):              # ports above every running instance's
         url[it.name] = f"http://{host}:{first_free + k}"

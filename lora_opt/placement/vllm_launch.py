@@ -126,14 +126,19 @@ def serve_command(p: Placement, gpu: int, model: str, *, host: str = "127.0.0.1"
     return argv
 
 
-def router_table(p: Placement, *, host: str = "127.0.0.1", base_port: int = 8000) -> dict:
-    """adapter id -> [{"endpoint", "weight"}] (GPU i listens on base_port + i, or where a replanned
-    placement says its instance listens: ``meta.endpoints``)."""
+def instance_urls(p: Placement, *, host: str = "127.0.0.1", base_port: int = 8000) -> list[str]:
+    """Where GPU i's instance listens: a replanned placement's ``meta.endpoints`` when it has them, else
+    ``http://host:base_port + i``."""
     known = p.meta.get("endpoints")
-    if not (isinstance(known, list) and len(known) == len(p.gpus) and all(isinstance(u, str) for u in known)):
-        known = [f"http://{host}:{base_port + g}" for g in range(len(p.gpus))]
-    return {aid: [{"endpoint": f"{known[g].rstrip('/')}/v1", "weight": w} for g, w in rs]
-            for aid, rs in p.routes.items()}
+    if isinstance(known, list) and len(known) == len(p.gpus) and all(isinstance(u, str) for u in known):
+        return [u.rstrip("/") for u in known]
+    return [f"http://{host}:{base_port + g}" for g in range(len(p.gpus))]
+
+
+def router_table(p: Placement, *, host: str = "127.0.0.1", base_port: int = 8000) -> dict:
+    """adapter id -> [{"endpoint", "weight"}] (each GPU's instance where :func:`instance_urls` says)."""
+    urls = instance_urls(p, host=host, base_port=base_port)
+    return {aid: [{"endpoint": f"{urls[g]}/v1", "weight": w} for g, w in rs] for aid, rs in p.routes.items()}
 
 
 #: argparse's rule (``_negative_number_matcher``): with no option that looks like a negative number,
