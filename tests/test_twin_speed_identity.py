@@ -1,7 +1,9 @@
 """The twin's speed work changes no number: exact results of three seeded reference scenarios, as
 made by the twin before that work (``tests/data/twin_golden.json``, written by running this file
 with ``--write PATH`` against that older checkout), and the fast ITL statistics equal to the
-plain sort-based definition on inputs that exercise its fall-back.
+plain sort-based definition on inputs that exercise its fall-back.  Rewritten once since, on purpose
+(2026-12-04): a time-series sample is the state the last step left, before the arrivals since (as vLLM's
+gauges read between steps) -- only the ``waiting`` series' digests changed, every other number stayed.
 
 Floats are compared as ``float.hex`` (bit for bit); arrays (time series, raw samples) by the
 SHA-256 of their bytes."""

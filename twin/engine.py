@@ -27,9 +27,10 @@ One call of :func:`step` = one vLLM engine step (V1 scheduler, reference §3.1):
    token, those with all output tokens finish and free their blocks (``engine_record.advance_batch``).
 
 Without V1's chunked prefill (V0), 2-4 are reordered: a prefill-only step when any waiting request
-is admitted, else a decode step.  Before 2, a step records the time-series samples due and checks
-the early stop (certain starvation, every 10 simulated seconds); between steps, :func:`run_engine`
-takes the fast forward (identical decode-only steps in one go).
+is admitted, else a decode step.  Before 1, a step records the time-series samples due (the state
+the last step left, as vLLM's gauges show it between steps); before 2 it checks the early stop
+(certain starvation, every 10 simulated seconds); between steps, :func:`run_engine` takes the fast
+forward (identical decode-only steps in one go).
 
 ============================  ====================================================================
 ``twin.engine_state``         the state object (inputs, mutable state, outputs), its constructor,
@@ -93,8 +94,8 @@ STOPPED = 3
 def step(s, check=False):
     """Advance the engine ``s`` by one scheduler step (points 1-6 of the module docstring);
     returns STEPPED, WAITED, DONE or STOPPED.  ``check``: assert the invariants after the step."""
+    record_timeseries(s)           # the state the last step left: what vLLM's gauges say until the next one
     take_arrivals(s)
-    record_timeseries(s)
     if s.t >= s.cfg.duration:
         return DONE
     if s.n_running == 0 and s.n_waiting == 0:

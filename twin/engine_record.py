@@ -1,6 +1,6 @@
 """Advancing the batch at the end of a step, and what is recorded: first-token and finish times,
 ITL samples (whole regular steps as (duration, count), irregular gaps listed), running/waiting
-areas, and the time series (state at the start of a step, every ``ts_interval``)."""
+areas, and the time series (every ``ts_interval``: the state the last step left, as vLLM's gauges show it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +41,10 @@ def _record_gap(s, gap):
 
 @njit(cache=True)
 def record_timeseries(s):
-    """Samples due at or before now: running, waiting, KV blocks in use, GPU-resident adapters."""
+    """Samples due at or before now: running, waiting, KV blocks in use, GPU-resident adapters, as the last
+    step left them -- before the arrivals since are taken.  vLLM publishes its gauges once a step, so a
+    scrape between steps (or in an idle gap) reads that state; taking the next arrival first counted an
+    idle engine as one waiting request (a light run's series: waiting 0.19 where none ever waited)."""
     while s.ts_next < s.n_ts and s.ts_next * s.cfg.ts_interval <= s.t:
         k = s.ts_next
         s.ts_running[k] = s.n_running

@@ -109,7 +109,7 @@ _FIELDS = [
     # ITL samples: regular gaps are whole steps (duration, count); irregular ones listed
     ("step_dur", _f8), ("step_cnt", _i8), ("n_steps_rec", types.int64),
     ("irr", _f8), ("n_irr", types.int64),
-    # time series (state at the start of a step, every ts_interval)
+    # time series (every ts_interval: the state the last step left, before the arrivals since)
     ("ts_running", _i8), ("ts_waiting", _i8), ("ts_kv", _i8), ("ts_loaded", _i8),
     ("n_ts", types.int64), ("ts_next", types.int64),
 ]

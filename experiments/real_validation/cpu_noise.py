@@ -2,6 +2,7 @@
 
     python experiments/real_validation/cpu_noise.py [--repeats 3] [--half report] [--duration 150]
     python experiments/real_validation/cpu_noise.py --stages judge speed      # from the stored runs
+    python experiments/real_validation/cpu_noise.py --stages retwin judge speed   # the twin side redone
 
 The committed loop's workloads (``cpu_workloads.WORKLOADS``: light, near saturation, slot-bound, mixed
 ranks), each replayed ``--repeats`` times with the same requests (the ``--half``'s seed), **each repeat on
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from cpu_loop import CLIENT_CORE, OUT, load_probe_tier
-from cpu_workloads import SEEDS, WORKLOADS, capacity_rate, validate_one
+from cpu_workloads import SEEDS, WORKLOADS, capacity_rate, retwin_run, validate_one
 
 from lora_opt.io import atomic_write_json, atomic_write_text
 
@@ -48,6 +49,23 @@ def stage_measure(tier: dict, out: Path, repeats: int, half: str, duration: floa
             done[key] = {"workload": n, "half": half, "repeat": k, "rate": rates[n], **r}
             atomic_write_json(out / "runs.json", done, indent=1)
     return done
+
+
+def stage_retwin(out: Path, half: str) -> int:
+    """The twin's side of every stored run redone with the twin and profile as they are now (``lora-opt
+    validate --twin-only``: the same requests, routing and admission; the measured side is read, never
+    changed); the new comparisons replace the stored ones in ``runs.json``."""
+    done = json.loads((out / "runs.json").read_text())
+    rc = 0
+    for key, r in sorted(done.items()):
+        if r["half"] != half or not r.get("comparison"):
+            continue
+        run = out / f"repeat-{r['repeat']}" / "validation" / f"{r['workload']}-{half}"
+        rc |= retwin_run(run, out / f"repeat-{r['repeat']}" / f"retwin_{r['workload']}-{half}.txt")
+        r["comparison"] = json.loads((run / "out" / "comparison.json").read_text())
+        print(f"-- {key}: twin side redone", flush=True)
+    atomic_write_json(out / "runs.json", done, indent=1)
+    return rc
 
 
 def stage_judge(out: Path, half: str) -> dict:
@@ -186,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--half", choices=list(SEEDS), default="report")
     ap.add_argument("--duration", type=float, default=150.0)
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS))
-    ap.add_argument("--stages", nargs="+", default=["measure", "judge", "speed"], choices=["measure", "judge", "speed"])
+    ap.add_argument("--stages", nargs="+", default=["measure", "judge", "speed"],
+                    choices=["measure", "retwin", "judge", "speed"])
     # noise_all: the four workloads in one sitting (2026-12-03 17:18-17:54); noise_repeats: the first sitting
     # (light and near saturation only, 15:32-15:51): --out experiments/real_validation/cpu/noise_repeats
     ap.add_argument("--out", default=str(OUT / "noise_all"))
@@ -201,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if "measure" in a.stages:
         stage_measure(load_probe_tier(), out, a.repeats, a.half, a.duration, a.workloads)
+    if "retwin" in a.stages and stage_retwin(out, a.half) != 0:
+        raise SystemExit("retwin: a run's twin side failed (its log is beside it: retwin_*.txt)")
     noise = None
     if "judge" in a.stages:
         noise = stage_judge(out, a.half)

@@ -81,9 +81,31 @@ def real_series_by_gpu(rows: list[dict]) -> dict[int, dict]:
     return out
 
 
-def _twin_series(raw: list[dict]) -> dict[int, dict]:
-    return {r["gpu"]: {k: np.asarray(v, float) for k, v in r["timeseries"].items()}
-            for r in raw if r.get("timeseries")}
+#: the twin's series are recorded this often (simulated seconds) and read at the instants the real server
+#: was scraped, so both sides are sampled at the same moments of the same requests: 30 scrapes of a 150-s
+#: run move a light run's running mean by ~13 % with where they fall, and the scrapes drift off a regular
+#: grid (~0.1 s a round), so a twin sampled on its own grid differed by that much from its own time average
+TWIN_SERIES_S = 0.1
+
+
+def at_instants(series: dict, times: np.ndarray) -> dict:
+    """``series`` (``time_s`` ascending) read at ``times``: at each, the last sample at or before it."""
+    t = np.asarray(series["time_s"], float)
+    idx = np.clip(np.searchsorted(t, times, side="right") - 1, 0, len(t) - 1)
+    return {"time_s": np.asarray(times, float), **{k: np.asarray(v)[idx] for k, v in series.items() if k != "time_s"}}
+
+
+def _twin_series(raw: list[dict], real_series: dict, scrape_s: float, T: float) -> dict[int, dict]:
+    """Each GPU's twin series read where the real one was scraped (a GPU without a real series: every
+    ``scrape_s`` from 0 to ``T``)."""
+    out = {}
+    for r in raw:
+        if not r.get("timeseries"):
+            continue
+        real = real_series.get(r["gpu"])
+        times = real["time_s"] if real is not None and len(real["time_s"]) else np.arange(0.0, T + 1e-9, scrape_s)
+        out[r["gpu"]] = at_instants({k: np.asarray(v, float) for k, v in r["timeseries"].items()}, times)
+    return out
 
 
 def plot_gpu(g: int, real: dict | None, twin: dict | None, req_rows: list[dict], twin_raw: dict | None) -> bytes:
@@ -234,8 +256,9 @@ def twin_side(p: Placement, wl: Workload, admitted, refused: np.ndarray, target:
                                                 for f in dataclasses.fields(admitted)})
     twin_raw: list = []
     twin_ev = evaluate_placement(p, wl, requests=twin_req, duration_s=T, workers=workers, progress=False,
-                                 grace_s=grace_s, timeseries_s=scrape_s, raw=twin_raw, gpu_of=target[keep])
-    twin_series = _twin_series(twin_raw)
+                                 grace_s=grace_s, timeseries_s=min(scrape_s, TWIN_SERIES_S), raw=twin_raw,
+                                 gpu_of=target[keep])
+    twin_series = _twin_series(twin_raw, real_series, scrape_s, T)
     return twin_ev, compare(real_ev, twin_ev, real_series, twin_series), twin_series, twin_raw
 
 

@@ -3,9 +3,9 @@ same requests: the families lora-opt reads (lora_opt.validate.live.SCRAPED, the 
 ``vllm:cache_config_info``, request success totals, the latency histograms) have the same names,
 label names, types, buckets and meaning, and lora-opt's own parsers read both alike.
 
-The requests (both servers, ``--max-loras 2``): three streams on two adapters (r8-a twice, r16-a),
-then, once they stream, one on r32-a, which must wait for a LoRA slot; scrapes before, while the
-four are in the engine, after they finish, and after a client leaves a stream (an abort).  Quirks
+The requests (both servers, ``--max-loras 2``): three on two adapters (r8-a twice, r16-a), then,
+once they run, one on r32-a, which must wait for a LoRA slot; scrapes before, while the four are in
+the engine, after they finish, and after a client leaves a stream (an abort).  Quirks
 of 0.32 the emulator imitates (docs/emulate.md): ``vllm:lora_requests_info`` keeps one series per
 label set ever seen (value: update time), lists the same adapters in both labels -- those with a
 request that has produced output, so the waiting r32-a is in neither -- and a client's disconnect is
@@ -69,7 +69,7 @@ def runs(fresh_server, emulated, tier, launch_vllm) -> dict:
     assert httpx.get(emulated + "/version").json()["version"] == tier["vllm_version"]
 
     # the window is a race (the real server's speed is the machine's): a run whose scrapes never saw the four
-    # in the engine, the three streaming, is the harness's miss, not the server's answer -- run again.  A
+    # in the engine, the three running, is the harness's miss, not the server's answer -- run again.  A
     # connection the server closed under a scrape (CI once saw "Server disconnected without sending a
     # response" mid-run; never reproduced here) is run again too; a real server that died is started
     # afresh once, with its log tail as a warning -- these tests compare /metrics, not crash resistance
