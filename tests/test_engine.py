@@ -391,3 +391,17 @@ def test_requests_appended_to_a_live_state_as_they_arrive():
             break
     assert s.n_req == len(req) > 100
     _same_requests(results(s), expected)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios)
+def test_time_series_read_as_vllm_gauges(p):
+    """A sample is the state the last step left, before the arrivals since (vLLM publishes its gauges once a
+    step): a run in which no request ever waited has no sample with one waiting -- an idle engine's next
+    arrival used to be counted as waiting -- and every sample's running count is one the engine had."""
+    sc = scenario_from_dict({**_build_dict(p), "timeseries_interval_s": 0.5})
+    res = twin.simulate(sc, timeseries=True)
+    ts = res.timeseries
+    if res.waiting_mean == 0.0:
+        assert not ts["waiting"].any()
+    assert (ts["running"] >= 0).all() and (ts["running"] <= sc.engine.max_num_seqs).all()

@@ -102,3 +102,26 @@ def test_speed_match_scales_step_times_and_fits_the_measured_itl(run, tmp_path):
     twin, real = comp["twin"]["0"]["itl_mean_ms"], comp["real"]["0"]["itl_mean_ms"]
     assert 0.25 < s < 4 and abs(twin - real) / real < 0.01
     assert {n: (run / "out" / n).read_bytes() for n in before} == before       # the run is not rewritten
+
+
+def test_first_token_order_matches_the_same_requests(run):
+    """lora_opt.validate.order: the run's requests matched to the twin's by arrival; the server's and the
+    twin's first-token order compared (Kendall's tau), the TTFT per adapter beside it."""
+    import csv
+    import math
+
+    from lora_opt.placement.plan import Placement
+    from lora_opt.placement.workload_file import load_workload
+    from lora_opt.validate.order import first_token_order
+    from lora_opt.validate.retwin import retwin
+    p, wl = Placement.load(run / "placement" / "placement.json"), load_workload(str(run / "workload.yaml"))
+    raw = retwin(run / "out", p, wl, write=False)["twin_raw"][0]
+    with (run / "out" / "requests.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    got = first_token_order(rows, raw)
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert got["requests"] == len(ok) and 0.9 < got["kendall_tau"] <= 1.0
+    assert set(got["per_adapter"]) == {r["adapter"] for r in ok}
+    assert sum(v["requests"] for v in got["per_adapter"].values()) == len(ok)
+    assert math.isclose(got["ttft_mean_ms"]["real"], sum(float(r["ttft_ms"]) for r in ok) / len(ok))
+    assert first_token_order(rows[:1], raw)["requests"] <= 1              # too few to order: no tau, no error

@@ -3,6 +3,7 @@
     python experiments/real_validation/cpu_noise.py [--repeats 3] [--half report] [--duration 150]
     python experiments/real_validation/cpu_noise.py --stages judge speed      # from the stored runs
     python experiments/real_validation/cpu_noise.py --stages retwin judge speed   # the twin side redone
+    python experiments/real_validation/cpu_noise.py --stages order     # time-free: first-token order, TTFT by adapter
 
 The committed loop's workloads (``cpu_workloads.WORKLOADS``: light, near saturation, slot-bound, mixed
 ranks), each replayed ``--repeats`` times with the same requests (the ``--half``'s seed), **each repeat on
@@ -198,6 +199,49 @@ def speed_report(out: Path, noise: dict, speed: dict) -> list[str]:
     return lines
 
 
+def stage_order(out: Path, half: str) -> dict:
+    """Time-free (``lora_opt.validate.order``): per run, Kendall's tau between the real and the twin's
+    first-token order, and the mean TTFT per adapter -- the twin as is and with the front-end TTFT term off
+    (the engine's part alone).  Writes ``OUT/ORDER.md`` and ``OUT/order.json``."""
+    import csv
+    import tempfile
+
+    from lora_opt.validate.order import first_token_order
+    from lora_opt.validate.speed_match import twin_at_speed
+    done = json.loads((out / "runs.json").read_text())
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, r in sorted(done.items(), key=lambda kv: (kv[1]["workload"], kv[1]["repeat"])):
+            if r["half"] != half or not r.get("comparison"):
+                continue
+            run, p, wl = _run_files(out, r["workload"], half, r["repeat"])
+            with (run / "requests.csv").open(newline="") as f:
+                rows = list(csv.DictReader(f))
+            entry = {}
+            for tag, latency in (("as_is", None), ("front_end_off", FRONT_END_OFF)):
+                twin = twin_at_speed(run, p, wl, 1.0, Path(tmp), latency, summary=True)
+                entry[tag] = first_token_order(rows, twin["twin_raw"][0])
+            result.setdefault(r["workload"], {})[r["repeat"]] = entry
+    atomic_write_json(out / "order.json", result, indent=1)
+    lines = ["# Time-free: the order of first tokens, and TTFT by adapter", "",
+             f"Command: `python experiments/real_validation/cpu_noise.py --stages order` (from the stored runs; "
+             "`lora_opt/validate/order.py`). Kendall's tau between the real and the twin's first-token instants of "
+             "the same requests (1: the same order). TTFT means (ms) per adapter: real / twin as is / twin with the "
+             "front-end TTFT term off (the engine's part alone).", "",
+             "| workload | repeat | requests | tau | TTFT real | twin | twin, front end off | per adapter: real / twin / front end off |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n, reps in result.items():
+        for k, e in sorted(reps.items()):
+            a, f = e["as_is"], e["front_end_off"]
+            per = "; ".join(f"{ad} {v['real_ms']:.0f}/{v['twin_ms']:.0f}/{f['per_adapter'][ad]['twin_ms']:.0f}"
+                            for ad, v in a["per_adapter"].items())
+            lines.append(f"| {n} | {k} | {a['requests']} | {a['kendall_tau']:.3f} | {a['ttft_mean_ms']['real']:.0f} | "
+                         f"{a['ttft_mean_ms']['twin']:.0f} | {f['ttft_mean_ms']['twin']:.0f} | {per} |")
+    atomic_write_text(out / "ORDER.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -205,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=150.0)
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS))
     ap.add_argument("--stages", nargs="+", default=["measure", "judge", "speed"],
-                    choices=["measure", "retwin", "judge", "speed"])
+                    choices=["measure", "retwin", "judge", "speed", "order"])
     # noise_all: the four workloads in one sitting (2026-12-03 17:18-17:54); noise_repeats: the first sitting
     # (light and near saturation only, 15:32-15:51): --out experiments/real_validation/cpu/noise_repeats
     ap.add_argument("--out", default=str(OUT / "noise_all"))
@@ -235,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                         metrics={f"factor.{n}.r{k}": v for n, f in speed["factors"].items() for k, v in f.items()},
                         artifacts=[str(out / "SPEED.md"), str(out / "speed.json")], tracking_uri=a.tracking_uri,
                         track=True)
+    if "order" in a.stages:
+        stage_order(out, a.half)
     print(f"== {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -41,7 +41,8 @@ def retwin(run_dir: str | Path, p: Placement, wl: Workload, *, workers: int | No
     """Run the twin again on the requests of the validation stored in ``run_dir`` (``validate --out``) with
     the placement's profile as it is now; rewrites the twin's files there (``write``; False: nothing is
     written, e.g. a what-if profile).  ``wl``: the workload the run was validated with (its evaluation
-    section; seed and duration are taken from the run).  (summary with ``comparison``, ``twin``, ``real``.)"""
+    section; seed and duration are taken from the run).  (summary with ``comparison``, ``twin``, ``real``,
+    ``info``, and ``twin_raw``: each GPU's raw twin result, its requests' samples.)"""
     run = Path(run_dir)
     missing = [n for n in STORED if not (run / n).is_file()]
     if missing:
@@ -70,8 +71,8 @@ def retwin(run_dir: str | Path, p: Placement, wl: Workload, *, workers: int | No
         p, wl, admitted, admission.refused, target, T, min(GRACE_S, T / 2), float(info["scrape_s"]), workers,
         stored, real_series)
     if not write:
-        return {"comparison": comparison, "twin": twin_ev, "real": stored, "info": info}
+        return {"comparison": comparison, "twin": twin_ev, "real": stored, "info": info, "twin_raw": twin_raw}
     write_twin(run, twin_ev, comparison, twin_series, twin_raw)
     write_plots(run, _csv_rows(run / "requests.csv", ("request", "gpu")), real_series, twin_series, twin_raw,
                  set(real_series) | {int(k) for k in comparison["real"]})
-    return {"comparison": comparison, "twin": twin_ev, "real": stored, "info": info}
+    return {"comparison": comparison, "twin": twin_ev, "real": stored, "info": info, "twin_raw": twin_raw}

@@ -59,14 +59,16 @@ def scaled_profile(profile: str, factor: float, latency: dict | None = None) -> 
 
 
 def twin_at_speed(run_dir: str | Path, p: Placement, wl: Workload, factor: float, workdir: Path,
-                  latency: dict | None = None) -> dict:
+                  latency: dict | None = None, *, summary: bool = False) -> dict:
     """The stored run's comparison with the twin whose step times are x ``factor`` (and ``latency``'s
-    fields set: ``scaled_profile``); nothing written into ``run_dir``."""
+    fields set: ``scaled_profile``); nothing written into ``run_dir``.  ``summary``: retwin's whole summary
+    (with ``twin_raw``) instead of the comparison."""
     path = workdir / f"profile-x{factor:.6f}-{len(latency or {})}.yaml"
     atomic_write_text(path, yaml.safe_dump(scaled_profile(p.profile, factor, latency), sort_keys=False))
     p2 = dataclasses.replace(p, profile=str(path))
     wl2 = dataclasses.replace(wl, profile=str(path))
-    return retwin(run_dir, p2, wl2, write=False)["comparison"]
+    out = retwin(run_dir, p2, wl2, write=False)
+    return out if summary else out["comparison"]
 
 
 def _itl(comparison: dict) -> float:
