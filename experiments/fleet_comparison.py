@@ -20,7 +20,12 @@ uniform one).  Deployments:
   uniform random);
 - (c) ``placement + lora-affinity``: (a)'s placement, the endpoint picker choosing among an
   adapter's replicas; and the same with on-demand adapters (the placement as the start-up
-  residency, any GPU may load any adapter: the picker may leave the placement when queues grow).
+  residency, any GPU may load any adapter: the picker may leave the placement when queues grow);
+- (d) ``hybrid + lora-affinity``: the ``--hot`` adapters with the highest first-half rates registered on
+  every GPU, the long tail placed alone by greedy-plus (as (a), its first margin), plus as many GPUs
+  serving only the hot adapters as the SLO needs (``lora_opt.search.deployments.hybrid_placement``);
+  the picker chooses a hot adapter's GPU by load.  Every hot count of ``HOT_GRID`` is tried; the row
+  is the one with the fewest GPUs (then the lowest p99 TTFT).
 
 "GPUs needed" = the smallest N at which a deployment meets the SLO on the replay: no starving GPU
 (rho 0.9 on the requests due 60 s before the end), none failing to start, every request routed,
@@ -31,6 +36,7 @@ experiments/fleet_comparison/ (results.csv: every evaluated cell, summary.json, 
 Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.
 """
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -43,7 +49,7 @@ from lora_opt.placement.plan import Adapter
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.policies.packing import max_loras_that_start
 from lora_opt.placement.workload_file import EvaluationConfig, PlacementEngine, Workload
-from lora_opt.search.deployments import every_gpu_placement
+from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 from twin.profile import load_profile
 from twin.routers import ROUTERS
@@ -61,6 +67,8 @@ GRACE_S = 60.0
 MARGINS = (0.1, 0.2, 0.3, 0.5, 1.0)
 #: A_max values (b) tries at each N (besides the largest that starts): an operator would tune it
 AMAX_GRID = (8, 16, 32, 64, 128)
+#: hot adapter counts (d) tries: the hottest k on every GPU, the tail placed
+HOT_GRID = (1, 2, 5, 10, 20, 50, 100)
 EVERY_GPU_ROUTERS = ("lora-affinity", "least-requests", "power-of-two", "round-robin", "consistent-hash", "static")
 
 
@@ -148,7 +156,30 @@ def run_trace(trace, args):
                      for r in cell]
             if any(r["ok"] for r in cell):
                 break
+    rows += hybrid_rows(trace, wl, prof, replay, T, args)
     return rows, info
+
+
+def hybrid_rows(trace, wl, prof, replay, T, args) -> list[dict]:
+    """(d): per hot count, the tail placed alone, then 0, 1, ... GPUs serving only the hot adapters added
+    until the replay meets the SLO (or the pool is spent)."""
+    rows = []
+    policy = get_policy("greedy-plus", margin=MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
+    for k in args.hot:
+        hot = hottest(wl, k)
+        tail_wl = dataclasses.replace(wl, adapters=tuple(a for a in wl.adapters if a.id not in set(hot)))
+        t0 = time.perf_counter()
+        tail = policy.place(tail_wl, args.max_gpus, PlacementContext.for_workload(tail_wl))
+        place_s = time.perf_counter() - t0
+        for extra in range(0 if tail.gpus else 1, args.max_gpus - len(tail.gpus) + 1):
+            r = measure(hybrid_placement(wl, prof, tail, hot, extra), wl, replay, T,
+                        FleetOptions("lora-affinity", "static"), args.ttft_p99_ms)
+            rows.append({"trace": trace, "deployment": "(d) hybrid + lora-affinity", "router": "lora-affinity",
+                         "adapters": "static", "margin": MARGINS[0], "hot": k, "tail_gpus": len(tail.gpus),
+                         "tail_place_s": place_s, **r})
+            if r["ok"]:
+                break
+    return rows
 
 
 def summary_rows(df):
@@ -179,7 +210,11 @@ def report(df, summary, infos, args, wall_s, out_dir):
              "adapter loads /s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         need = str(r["gpus_needed"]) if r["gpus_needed"] else f"> {r['gpus']} (not met)"
-        lines.append(f"| {r['trace']} | {r['deployment']} | {need} | {r['a_max']} | {f(r['ttft_p99_ms'])} | "
+        hot = r.get("hot")
+        dep = r["deployment"]
+        if hot is not None and hot == hot:                  # (d) only; NaN in the other rows
+            dep += f" ({int(hot)} hot, tail on {int(r['tail_gpus'])})"
+        lines.append(f"| {r['trace']} | {dep} | {need} | {r['a_max']} | {f(r['ttft_p99_ms'])} | "
                      f"{f(r['ttft_mean_ms'])} | {f(r['itl_mean_ms'], 1)} | {f(r['itl_p99_ms'], 1)} | "
                      f"{f(r['adapter_loads_per_s'], 1)} |")
     lines += ["", "Traces as replayed:", "", "```", json.dumps(infos, indent=1), "```", "",
@@ -201,6 +236,8 @@ def main():
     ap.add_argument("--max-gpus", type=int, default=12)
     ap.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(EVERY_GPU_ROUTERS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hot", type=int, nargs="+", default=list(HOT_GRID),
+                    help=f"(d): hot adapter counts to try (default {' '.join(map(str, HOT_GRID))})")
     ap.add_argument("--quick", action="store_true", help="azure-conv only, 500 adapters, routers lora-affinity and "
                                                          "least-requests")
     ap.add_argument("--out", default=str(OUT))

@@ -10,7 +10,7 @@ from lora_opt.placement.evaluate import Criterion
 from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.workload_file import workload_from_dict
-from lora_opt.search.deployments import every_gpu_placement, study_suffix
+from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement, study_suffix
 from lora_opt.search.study import AMAX_MAX, SearchSetup, Traffic, decode, merge_fronts, run_trial
 from twin.errors import ScenarioError
 from test_search import P, TINY
@@ -33,6 +33,32 @@ def test_every_gpu_placement_routes_every_adapter_to_every_identical_gpu(tiny):
     assert every_gpu_placement(wl, load_profile(P), 1, 10_000).gpus[0].max_loras == 24      # clipped to the adapters
     with pytest.raises(ScenarioError, match="gpus and A_max"):
         every_gpu_placement(wl, load_profile(P), 0, 8)
+
+
+def test_hybrid_placement_puts_the_hot_adapters_everywhere_and_keeps_the_tail(tiny):
+    """The hottest adapters routed equally to every GPU (the tail's and the extra ones), the tail where its own
+    placement put it; every GPU registers what it is routed and starts; overlap and an empty fleet refused."""
+    import dataclasses
+
+    from lora_opt.placement.policies import get_policy
+    from lora_opt.placement.plan import placement_problems
+    wl, _ = tiny
+    prof = load_profile(P)
+    hot = hottest(wl, 3)
+    assert hot == [a.id for a in sorted(wl.adapters, key=lambda a: -a.rate)[:3]]
+    tail_wl = dataclasses.replace(wl, adapters=tuple(a for a in wl.adapters if a.id not in set(hot)))
+    tail = get_policy("greedy").place(tail_wl, 4, PlacementContext.for_workload(tail_wl))
+    p = hybrid_placement(wl, prof, tail, hot, extra_gpus=1)
+    n = len(tail.gpus) + 1
+    assert len(p.gpus) == n and [a.id for a in p.adapters] == [a.id for a in wl.adapters]
+    assert all(sorted(g for g, _ in p.routes[a]) == list(range(n)) for a in hot)
+    assert all(p.routes[a] == tail.routes[a] for a in tail.routes)
+    assert p.gpus[-1].max_cpu_loras >= 3 and p.gpus[-1].max_loras <= 3          # the extra GPU: the hot ones only
+    assert not placement_problems(p, prof) and all(g.startup_check(prof)[0] for g in p.gpus)
+    with pytest.raises(ScenarioError, match="routes hot adapters"):
+        hybrid_placement(wl, prof, tail, [next(iter(tail.routes))])
+    with pytest.raises(ScenarioError, match="extra_gpus"):
+        hybrid_placement(wl, prof, dataclasses.replace(tail, gpus=[], routes={}), hot, 0)
 
 
 def test_every_gpu_trial_runs_on_the_fleet_twin_and_counts_loads(tiny):

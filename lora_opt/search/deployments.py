@@ -7,6 +7,9 @@
   registered on every one (loaded on first use with ``--adapters on-demand``), one A_max for all,
   a router choosing the instance per request.  Its parameters: ``gpus`` and ``amax_0``.
 
+- a hybrid (:func:`hybrid_placement`; the fleet comparison's row (d), not yet a study's deployment): the
+  hottest adapters registered on every GPU, the long tail kept where a placement put it.
+
 A deployment is a *fixed* property of a study (one study per deployment and router, their fronts
 merged by ``lora_opt.search.study.merge_fronts``), not a categorical parameter inside one study: the two parameter spaces
 share only the GPU count, and the study's multivariate TPE models the joint space of the
@@ -49,6 +52,59 @@ def every_gpu_placement(wl: Workload, profile: Profile, gpus: int, amax: int, la
     return Placement(profile=wl.profile, adapters=list(wl.adapters), gpus=[cfg] * gpus,
                      routes={a.id: [(g, share) for g in range(gpus)] for a in wl.adapters}, policy=label,
                      meta={"rho": wl.rho, "workload": wl.name, "deployment": "every-gpu", "feasible": True})
+
+
+def hottest(wl: Workload, k: int) -> list[str]:
+    """The ids of ``wl``'s ``k`` adapters with the highest rates (ties: the workload's order)."""
+    order = sorted(range(len(wl.adapters)), key=lambda i: (-wl.adapters[i].rate, i))
+    return [wl.adapters[i].id for i in order[:max(0, k)]]
+
+
+def hybrid_placement(wl: Workload, profile: Profile, tail: Placement, hot: list[str], extra_gpus: int = 0,
+                     label: str = "hybrid") -> Placement:
+    """The ``hot`` adapters on every GPU, the others where ``tail`` (a placement of them alone) put them:
+    ``tail``'s GPUs plus ``extra_gpus`` that serve only the hot ones.  Each GPU registers what it is routed
+    (its A_max kept where it still starts, ``--max-cpu-loras`` all it registers, ``--max-lora-rank`` the
+    largest); a hot adapter's requests are split equally over every GPU (a load-aware router, e.g. the fleet
+    twin's lora-affinity, then picks among them); an extra GPU's A_max is at most the tail's largest.
+    ``tail`` must route no hot adapter."""
+    both = sorted(set(hot) & set(tail.routes))
+    if both:
+        raise ScenarioError(f"hybrid deployment: the tail placement routes hot adapters: {', '.join(both[:5])}")
+    if extra_gpus < 0 or (not tail.gpus and extra_gpus < 1):
+        raise ScenarioError(f"hybrid deployment: extra_gpus must be >= 0 (>= 1 without tail GPUs), got {extra_gpus}")
+    rank = {a.id: a.rank for a in wl.adapters}
+    n = len(tail.gpus) + extra_gpus
+    on: list[list[str]] = [[] for _ in range(n)]
+    for a, routes in tail.routes.items():
+        for g, _ in routes:
+            on[g].append(a)
+    gpus = []
+    for g in range(n):
+        here = on[g] + list(hot)
+        # a GPU of its own serves the hot adapters only: at most the tail's largest A_max (one that starts)
+        amax = tail.gpus[g].max_loras if g < len(tail.gpus) else max([c.max_loras for c in tail.gpus] or [len(hot)])
+        gpus.append(_starting_config(wl, profile, [rank[a] for a in here], len(here), min(amax, len(here))))
+    routes = {**tail.routes, **{a: [(g, 1.0 / n) for g in range(n)] for a in hot}}
+    return Placement(profile=wl.profile, adapters=list(wl.adapters), gpus=gpus, routes=routes, policy=label,
+                     meta={"rho": wl.rho, "workload": wl.name, "deployment": "hybrid", "hot_adapters": len(hot),
+                           "feasible": True})
+
+
+def _starting_config(wl: Workload, profile: Profile, ranks: list[int], n: int, amax: int):
+    """``gpu_config`` with the largest A_max <= ``amax`` that starts: a hot adapter of a larger rank raises
+    ``--max-lora-rank``, and the slots the tail's A_max fitted at its own rank may no longer fit."""
+    cfg = gpu_config(wl, profile, ranks, n, amax)
+    if cfg.startup_check(profile)[0] or amax <= 1:
+        return cfg
+    lo, hi = 1, amax                  # lo: starts (or the floor), hi: does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if gpu_config(wl, profile, ranks, n, mid).startup_check(profile)[0]:
+            lo = mid
+        else:
+            hi = mid
+    return gpu_config(wl, profile, ranks, n, lo)
 
 
 def study_suffix(deployment: str, router: str, adapters: str) -> str:
