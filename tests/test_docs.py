@@ -253,7 +253,8 @@ def test_the_docs_show_commands_of_every_kind():
 RUN_HERE = {"--version", "simulate example"}
 #: the same, minutes on 2 cores (the main job with twin verification): under -m slow
 RUN_SLOW = {"place --workload configs/workloads/example.yaml --gpus 4 --emit-vllm",
-            "place --workload example --gpus 4 --emit-vllm", "place --workload example --gpus 4"}
+            "place --workload example --gpus 4 --emit-vllm", "place --workload example --gpus 4",
+            "place --workload example --gpus 4 --deployment best"}
 #: concrete documented commands not run here, and why (each is parsed above all the same)
 NOT_RUN_HERE = {
     "emulate --instances 2 --router round-robin": "a fleet that serves until stopped; "

@@ -49,7 +49,8 @@ def register(sub) -> None:
                     help="greedy-plus: a fixed capacity headroom over the expected load instead of --confidence "
                          "(default 0.1 for a profile without an error model)")
     pl.add_argument("--verify-s", type=NONNEGATIVE_S, help="greedy-plus: seconds of twin verification per GPU (0 = off; default 900)")
-    pl.add_argument("--ttft-p99-s", type=POSITIVE_S, help="greedy-plus: p99 TTFT bound in the verification (default 5)")
+    pl.add_argument("--ttft-p99-s", type=POSITIVE_S, help="p99 TTFT bound: greedy-plus's in its verification, and the "
+                                                          "SLO --deployment judges every deployment at (default 5)")
     pl.add_argument("--oracle", choices=list(ORACLE_FILES), help="greedy-plus: surrogate to consult (default full)")
     pl.add_argument("--history", metavar="LOG.csv",
                     help="request log (timestamp_s, adapter, input_tokens, output_tokens): rates are estimated "
@@ -60,6 +61,12 @@ def register(sub) -> None:
                          "Inference Extension's per-adapter counter; lora-opt emulate's router exports it too)")
     pl.add_argument("--window", default="1h", help="--prometheus: the window ending now (a Prometheus duration: "
                                                    "15m, 1h, 1d; default 1h)")
+    pl.add_argument("--deployment", choices=("static", "every-gpu", "hybrid", "best"),
+                    help="judge deployments on the fleet twin at the same SLO and load (the confidence's verification "
+                         "load, rho, the p99 TTFT bound) and return the one with the fewest GPUs: static (the policy's "
+                         "placement), every-gpu (every adapter on every GPU, loaded on use, lora-affinity picker), "
+                         "hybrid (the hottest adapters everywhere, the tail placed), or best (all three judged); "
+                         "default: the policy's placement, not judged on the fleet")
     pl.add_argument("--json", action="store_true", help="print the placement and verdict as one JSON object")
     pl.set_defaults(run=run)
 
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
                      surrogate=args.surrogate, policy_options=opts, as_json=args.json,
                      history=args.history, vllm_version=args.vllm_version, emit_router=args.emit_router,
-                     confidence=setting)
+                     confidence=setting, deployment=args.deployment, slo_ttft_p99_s=args.ttft_p99_s)
 
 
 def prometheus_line(demand) -> str:
@@ -122,7 +129,7 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     """Place ``wl`` on ``gpus`` GPUs with the named policy, write the files, print the table and
     verdict (or one JSON object); the verdict's exit status.  ``launch``: ``vllm_version`` (the
     release the vllm serve commands are written for) and ``emit_router`` (``--emit-router``)."""
-    unknown = set(launch) - {"vllm_version", "emit_router", "confidence"}
+    unknown = set(launch) - {"vllm_version", "emit_router", "confidence", "deployment", "slo_ttft_p99_s"}
     if unknown:
         raise TypeError(f"run_place: unknown launch option(s) {sorted(unknown)}")
     vllm_version, emit_router = launch.get("vllm_version"), launch.get("emit_router")
@@ -139,10 +146,16 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
         wl, log, span = load_request_log(wl, history)
     ctx = PlacementContext.for_workload(wl, surrogate, history=log, history_s=span if history else 0.0)
     p = policy.place(wl, gpus, ctx)
+    judged = None
+    if launch.get("deployment"):
+        p, judged = _recommended(wl, gpus, p, policy, surrogate, setting, policy_options, launch["deployment"],
+                                 launch.get("slo_ttft_p99_s") or SLO_TTFT_P99_S)
     if setting is not None and p.meta.get("feasible"):
         from lora_opt.placement.confidence import annotate
         annotate(p, wl, setting)          # each GPU's margin and probability of starving at the confidence
     code, message = verdict(p)
+    if judged is not None and not judged[0].ok:
+        code, message = EXIT_NOT_ACCEPTABLE, no_deployment_message(judged, gpus)
     out_path = Path(out_dir or f"outputs/placement-{wl.name or 'workload'}")
     written = []
     router_text = {}
@@ -159,13 +172,18 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     elif out_path.is_dir():
         clean_outputs(out_path)          # a previous run's placement must not pass for this one's
     if as_json:
+        extra = {"deployments": [_candidate_dict(c) for c in judged]} if judged is not None else {}
         out.write(json.dumps({"exit": code, "message": message, "files": [str(w) for w in written],
-                              **p.to_dict()}) + "\n")
+                              **p.to_dict(), **extra}) + "\n")
         return code
     out.write(f"workload {wl.name}: {len(wl.adapters)} adapters, {wl.total_rate:.2f} req/s; policy {p.policy}; "
               f"profile {wl.profile}\n")
     if history:
         out.write(f"rates from {history}: {len(log):,} requests over {span:,.0f} s\n")
+    if judged is not None:
+        from lora_opt.search.recommend import candidates_table
+        out.write(candidates_table(judged) + "\n")
+        out.write(recommendation_line(judged) + "\n")
     out.write(placement_table(p) + "\n")
     for note in table_notes(p):          # what the columns mean, for the values shown
         out.write(f"  {note}\n")
@@ -175,3 +193,57 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     for w in written:
         out.write(f"  -> {w}\n")
     return code
+
+
+#: --deployment's p99 TTFT bound when --ttft-p99-s is not given (greedy-plus's verification default)
+SLO_TTFT_P99_S = 5.0
+
+
+def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, deployment, ttft_p99_s):
+    """(the placement of the recommended deployment -- the static one when none meets the SLO --, the judged
+    candidates, best first): ``lora_opt.search.recommend`` at the confidence's verification load (without an
+    error model: 1 + the fixed margin) and the p99 TTFT bound ``ttft_p99_s``."""
+    import time
+
+    from lora_opt.placement.policies import PlacementContext
+    from lora_opt.search.recommend import recommend
+    load = setting.bound.verification_load if setting is not None and setting.bound is not None else \
+        1.0 + policy_options.get("margin", 0.1)
+    t0 = time.perf_counter()
+    judged = recommend(wl, gpus, static, policy=policy, load=load,
+                       ctx_for=lambda w: PlacementContext.for_workload(w, surrogate),
+                       ttft_p99_s=ttft_p99_s, deployment=deployment)
+    best = judged[0]
+    if not best.ok or best.placement is None:
+        return static, judged
+    p = best.placement
+    p.meta.setdefault("gpus_pool", gpus)
+    p.meta.setdefault("policy_wall_ms", (time.perf_counter() - t0) * 1000)
+    on = p.by_gpu()
+    p.meta.setdefault("incoming_rate_req_s", [sum(p.adapters[k].rate * w for k, w in on[g]) for g in range(len(p.gpus))])
+    p.meta.update(deployment=best.deployment, judged_load=load)
+    return p, judged
+
+
+def recommendation_line(judged) -> str:
+    """The recommended deployment and the runner-up (the best of another deployment), in words."""
+    best = judged[0]
+    if not best.ok:
+        return "no deployment meets the SLO (see the notes above)"
+    other = next((c for c in judged[1:] if c.deployment != best.deployment), None)
+    runner = ("" if other is None else
+              f"; runner-up: {other.deployment} ({other.gpus} GPU(s))" if other.ok else
+              f"; {other.deployment} does not meet it within {other.gpus or '-'} GPU(s) ({other.detail})")
+    return f"recommended: {best.deployment} on {best.gpus} GPU(s) (p99 TTFT {best.ttft_p99_ms:,.0f} ms){runner}"
+
+
+def no_deployment_message(judged, gpus: int) -> str:
+    """Why nothing is recommended: each deployment's binding constraint."""
+    why = "; ".join(f"{c.deployment}: {c.detail or 'not met'}" + (f" at {c.gpus} GPUs" if c.gpus else "")
+                    for c in judged)
+    return f"infeasible: no deployment meets the SLO within {gpus} GPUs ({why}); rerun with more --gpus"
+
+
+def _candidate_dict(c) -> dict:
+    return {"deployment": c.deployment, "gpus": c.gpus, "ok": c.ok, "ttft_p99_ms": c.ttft_p99_ms,
+            "served_fraction": c.served_fraction, "adapter_loads_per_s": c.adapter_loads_per_s, "detail": c.detail}

@@ -91,9 +91,10 @@ def confidence_notes(p: Placement) -> list[str]:
              f"- 1: the GPU starves below {margin_cell(MARGIN_STARVING)}",
              f"P(starve) = estimated probability that the real server serves < rho x the GPU's load (conformal, from "
              f"{c['n']} held-apart real runs, {c['samples']}; never below 1/(n+1) = {1 / (c['n'] + 1):.1%})".replace("%)", " %)") + "; "
-             f"error model {c['error_model']}",
-             "the surrogate's margin and the twin's verification load per GPU are in placement.json "
-             "(starvation_margin, twin_verified_at_load)"]
+             f"error model {c['error_model']}"]
+    if "starvation_margin" in p.meta:          # a policy's placement (a deployment judged on the fleet has none)
+        notes.append("the surrogate's margin and the twin's verification load per GPU are in placement.json "
+                     "(starvation_margin, twin_verified_at_load)")
     return notes
 
 

@@ -1,0 +1,84 @@
+"""``lora-opt place --deployment``: static, every-gpu and hybrid judged on the fleet twin at one SLO and one
+load (lora_opt.search.recommend), the one with the fewest GPUs returned, its files written; no deployment
+meeting the SLO is a clear answer naming what binds."""
+import json
+
+import pytest
+import yaml
+
+from lora_opt.cli import main as cli_main
+from lora_opt.placement.policies import PlacementContext, get_policy
+from lora_opt.placement.workload_file import workload_from_dict
+from lora_opt.search.recommend import DEPLOYMENT_CHOICES, Candidate, candidates_table, recommend
+from test_search import TINY
+from twin.errors import ScenarioError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    wl = workload_from_dict(TINY)
+    policy = get_policy("greedy")
+    return wl, policy, policy.place(wl, 4, PlacementContext.for_workload(wl))
+
+
+def test_every_deployment_is_judged_alike_and_the_fewest_gpus_come_first(tiny):
+    wl, policy, static = tiny
+    judged = recommend(wl, 4, static, policy=policy, ctx_for=PlacementContext.for_workload, load=1.1,
+                       ttft_p99_s=5.0)
+    assert {c.deployment for c in judged} == {"static", "every-gpu", "hybrid"}
+    assert [c.key() for c in judged] == sorted(c.key() for c in judged)
+    best = judged[0]
+    assert best.ok and best.gpus == len(best.placement.gpus) and best.ttft_p99_ms <= 5000
+    # every candidate that met the SLO needs at least the recommended GPU count
+    assert all(c.gpus >= best.gpus for c in judged if c.ok)
+    assert "deployment" in candidates_table(judged).splitlines()[0]
+    only = recommend(wl, 4, static, policy=policy, ctx_for=PlacementContext.for_workload, load=1.1, ttft_p99_s=5.0,
+                     deployment="static")
+    assert [c.deployment for c in only] == ["static"]
+    with pytest.raises(ScenarioError, match="--deployment: 'cheap' not allowed; allowed values: static, every-gpu"):
+        recommend(wl, 4, static, policy=policy, ctx_for=PlacementContext.for_workload, load=1.1, ttft_p99_s=5.0,
+                  deployment="cheap")
+
+
+def test_the_order_is_fewest_gpus_then_p99_then_loads():
+    a = Candidate("static", None, True, 3, 200.0, 1.0, 1.0)
+    b = Candidate("hybrid", None, True, 2, 900.0, 1.0, 9.0)
+    c = Candidate("every-gpu", None, True, 2, 900.0, 1.0, 5.0)
+    d = Candidate("every-gpu", None, False, 1, 100.0, 1.0, 0.0)
+    assert sorted([a, b, c, d], key=Candidate.key) == [c, b, a, d]
+    assert DEPLOYMENT_CHOICES[-1] == "best"
+
+
+def _place(tmp_path, *extra):
+    wl = tmp_path / "tiny.yaml"
+    wl.write_text(yaml.safe_dump(TINY))
+    return cli_main(["place", "--workload", str(wl), "--gpus", "4", "--policy", "greedy", "--out",
+                     str(tmp_path / "out"), *extra])
+
+
+def test_place_recommends_and_writes_the_chosen_deployment(tmp_path, capsys):
+    assert _place(tmp_path, "--deployment", "best", "--emit-vllm") == 0
+    out = capsys.readouterr().out
+    assert "recommended: " in out and "meets SLO" in out and "GPU(s)" in out
+    chosen = out.split("recommended: ")[1].split(" on ")[0]
+    p = json.loads((tmp_path / "out" / "placement.json").read_text())
+    assert p["meta"]["deployment"] == chosen and p["meta"]["judged_load"] > 1.0
+    assert (tmp_path / "out" / "vllm" / "serve_commands.txt").read_text().count("vllm serve") == len(p["gpus"])
+    assert _place(tmp_path, "--deployment", "every-gpu", "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [c["deployment"] for c in d["deployments"]] == ["every-gpu"] and d["meta"]["deployment"] == "every-gpu"
+    assert all(len(r) == len(d["gpus"]) for r in d["routes"].values())        # every adapter on every GPU
+
+
+def test_no_deployment_meeting_the_slo_says_what_binds(tmp_path, capsys):
+    assert _place(tmp_path, "--deployment", "best", "--ttft-p99-s", "0.001") == 3
+    out = capsys.readouterr().out
+    assert "infeasible: no deployment meets the SLO within 4 GPUs" in out
+    assert "static: p99 TTFT" in out and "over the bound" in out and "rerun with more --gpus" in out
+    assert not (tmp_path / "out" / "placement.json").exists()
+
+
+def test_an_unknown_deployment_is_refused_by_name(tmp_path, capsys):
+    assert _place(tmp_path, "--deployment", "cheapest") == 2
+    assert "argument --deployment: invalid choice: 'cheapest' (choose from 'static', 'every-gpu', 'hybrid', 'best')" \
+        in capsys.readouterr().err
