@@ -98,12 +98,22 @@ def _hybrid(wl, profile, pool, policy, ctx_for, load, ttft_p99_s, most) -> Candi
             p = hybrid_placement(wl, profile, tail, hot, extra)
             c = Candidate("hybrid", p, **judge(p, wl, fleet, load, ttft_p99_s))
             c.detail = f"{k} hot on every GPU, the tail on {len(tail.gpus)}" + (f"; {c.detail}" if c.detail else "")
-            if best is None or c.key() < best.key():
+            if best is None or _better(c, best):
                 best = c
             if c.ok:
                 most = min(most, len(p.gpus))      # a later k must need fewer GPUs to matter
                 break
     return best or Candidate("hybrid", None, False, detail="no hot split fits the pool")
+
+
+def _better(c: Candidate, than: Candidate) -> bool:
+    """Met beats not met; among met, the recommendation's order; among not met, the one closest to meeting
+    it (the most served, then the most GPUs tried): what the table shows as the deployment's best try."""
+    if c.ok != than.ok:
+        return c.ok
+    if c.ok:
+        return c.key() < than.key()
+    return ((c.served_fraction or 0.0), c.gpus or 0) > ((than.served_fraction or 0.0), than.gpus or 0)
 
 
 def recommend(wl: Workload, pool: int, static: Placement, *, policy, ctx_for, load: float,
