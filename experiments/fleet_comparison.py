@@ -21,6 +21,8 @@ uniform one).  Deployments:
 - (c) ``placement + lora-affinity``: (a)'s placement, the endpoint picker choosing among an
   adapter's replicas; and the same with on-demand adapters (the placement as the start-up
   residency, any GPU may load any adapter: the picker may leave the placement when queues grow);
+- (r) what ``lora-opt place --deployment best`` recommends (judged on the fleet twin on Poisson traffic at
+  the first-half rates, 1.1x), measured on the replay like the others;
 - (d) ``hybrid + lora-affinity``: the ``--hot`` adapters with the highest first-half rates registered on
   every GPU, the long tail placed alone by greedy-plus (as (a), its first margin), plus as many GPUs
   serving only the hot adapters as the SLO needs (``lora_opt.search.deployments.hybrid_placement``);
@@ -157,7 +159,28 @@ def run_trace(trace, args):
             if any(r["ok"] for r in cell):
                 break
     rows += hybrid_rows(trace, wl, prof, replay, T, args)
+    rec, info["recommend_s"] = recommended_row(trace, wl, replay, T, args, chosen)
+    rows.append(rec)
     return rows, info
+
+
+def recommended_row(trace, wl, replay, T, args, static) -> tuple[dict, float]:
+    """(r): what ``lora-opt place --deployment best`` returns (``lora_opt.search.recommend``: static, every-gpu
+    and hybrid judged on the fleet twin on the workload's own Poisson traffic at the first-half rates x 1.1,
+    the fixed margin (a) was placed with), measured on the replay like the rows above; (row, seconds the
+    recommendation took)."""
+    from lora_opt.search.recommend import recommend
+    policy = get_policy("greedy-plus", margin=MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
+    t0 = time.perf_counter()
+    judged = recommend(wl, args.max_gpus, static, policy=policy, ctx_for=PlacementContext.for_workload,
+                       load=1.0 + MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
+    took = time.perf_counter() - t0
+    best = judged[0]
+    fleet = (FleetOptions("static", "static") if best.deployment == "static" else
+             FleetOptions("lora-affinity", "on-demand" if best.deployment == "every-gpu" else "static"))
+    r = measure(best.placement, wl, replay, T, fleet, args.ttft_p99_ms)
+    return ({"trace": trace, "deployment": f"(r) place --deployment best -> {best.deployment}", "router": fleet.router,
+             "adapters": fleet.adapters, "margin": MARGINS[0], "recommend_detail": best.detail, **r}, took)
 
 
 def hybrid_rows(trace, wl, prof, replay, T, args) -> list[dict]:
