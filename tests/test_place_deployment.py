@@ -64,6 +64,8 @@ def test_place_recommends_and_writes_the_chosen_deployment(tmp_path, capsys):
     p = json.loads((tmp_path / "out" / "placement.json").read_text())
     assert p["meta"]["deployment"] == chosen and p["meta"]["judged_load"] > 1.0
     assert (tmp_path / "out" / "vllm" / "serve_commands.txt").read_text().count("vllm serve") == len(p["gpus"])
+    if chosen != "static":                  # judged behind a picker: said, router.json is not it
+        assert "judged behind the lora-affinity picker" in out and "--emit-router gateway" in out
     assert _place(tmp_path, "--deployment", "every-gpu", "--json") == 0
     d = json.loads(capsys.readouterr().out)
     assert [c["deployment"] for c in d["deployments"]] == ["every-gpu"] and d["meta"]["deployment"] == "every-gpu"

@@ -220,8 +220,15 @@ def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, d
     p.meta.setdefault("gpus_pool", gpus)
     p.meta.setdefault("policy_wall_ms", (time.perf_counter() - t0) * 1000)
     on = p.by_gpu()
-    p.meta.setdefault("incoming_rate_req_s", [sum(p.adapters[k].rate * w for k, w in on[g]) for g in range(len(p.gpus))])
+    p.meta.setdefault("incoming_rate_req_s",
+                      [sum(p.adapters[k].rate * w for k, w in on[g]) for g in range(len(p.gpus))])
     p.meta.update(deployment=best.deployment, judged_load=load)
+    if best.deployment != "static":     # what was judged is a picker, not router.json's fixed weights
+        on_use = " with adapters loaded on use" if best.deployment == "every-gpu" else ""
+        p.meta.setdefault("notes", []).append(
+            f"{best.deployment} was judged behind the lora-affinity picker{on_use}: route with one (--emit-router "
+            "gateway writes the Gateway API Inference Extension's configuration); router.json's fixed weights are "
+            "not what was judged")
     return p, judged
 
 
