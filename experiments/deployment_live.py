@@ -58,11 +58,10 @@ def lora_opt(*argv: str) -> subprocess.CompletedProcess:
     return r
 
 
-def start_fleet(placement: Path, deployment: str, speed: float, log: Path) -> tuple[subprocess.Popen, str]:
-    """``lora-opt emulate --placement`` with the router the deployment was judged with; (process, router URL)."""
+def start_fleet(placement: Path, router: str, adapters: str, speed: float, log: Path) -> tuple[subprocess.Popen, str]:
+    """``lora-opt emulate --placement`` with the router and adapter mode the deployment was judged with;
+    (process, router URL)."""
     base, router_port = free_ports(16), free_ports(1)
-    router = "static" if deployment == "static" else "lora-affinity"
-    adapters = "on-demand" if deployment == "every-gpu" else "static"
     f = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "emulate", "--placement", str(placement),
                              "--base-port", str(base), "--router-port", str(router_port), "--router", router,
@@ -134,8 +133,10 @@ def main() -> None:
                  str(out / "placement"), "--emit-vllm", "--json")
     placed = json.loads(r.stdout)
     deployment = placed["meta"]["deployment"]
+    judged = placed["deployments"][0]                 # the recommended one: served as it was judged
     p = Placement.load(out / "placement" / "placement.json")
-    proc, router = start_fleet(out / "placement" / "placement.json", deployment, args.speed, out / "fleet.log")
+    proc, router = start_fleet(out / "placement" / "placement.json", judged["router"], judged["adapters"], args.speed,
+                               out / "fleet.log")
     try:
         req, rows = asyncio.run(replay(router, load_workload(str(wl_path)), p, args.speed, args.duration_s))
     finally:
@@ -146,7 +147,7 @@ def main() -> None:
             proc.kill()
     atomic_write_rows(out / "requests.csv", rows, REQUEST_COLUMNS)
     result = {**judge(rows, args.duration_s), "deployment": deployment, "gpus": len(p.gpus),
-              "router": "static" if deployment == "static" else "lora-affinity", "speed": args.speed,
+              "router": judged["router"], "speed": args.speed,
               "duration_s": args.duration_s}
     wall = time.perf_counter() - t0
     atomic_write_json(out / "result.json", {"placed": {k: placed[k] for k in ("deployments", "meta")}, "live": result},

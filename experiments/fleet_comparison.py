@@ -38,7 +38,6 @@ experiments/fleet_comparison/ (results.csv: every evaluated cell, summary.json, 
 Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.
 """
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ from lora_opt.placement.plan import Adapter
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.policies.packing import max_loras_that_start
 from lora_opt.placement.workload_file import EvaluationConfig, PlacementEngine, Workload
-from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement
+from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement, tail_workload
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 from twin.profile import load_profile
 from twin.routers import ROUTERS
@@ -176,8 +175,7 @@ def recommended_row(trace, wl, replay, T, args, static) -> tuple[dict, float]:
                        load=1.0 + MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
     took = time.perf_counter() - t0
     best = judged[0]
-    fleet = (FleetOptions("static", "static") if best.deployment == "static" else
-             FleetOptions("lora-affinity", "on-demand" if best.deployment == "every-gpu" else "static"))
+    fleet = best.fleet                       # served as it was judged
     r = measure(best.placement, wl, replay, T, fleet, args.ttft_p99_ms)
     return ({"trace": trace, "deployment": f"(r) place --deployment best -> {best.deployment}", "router": fleet.router,
              "adapters": fleet.adapters, "margin": MARGINS[0], "recommend_detail": best.detail, **r}, took)
@@ -190,7 +188,7 @@ def hybrid_rows(trace, wl, prof, replay, T, args) -> list[dict]:
     policy = get_policy("greedy-plus", margin=MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
     for k in args.hot:
         hot = hottest(wl, k)
-        tail_wl = dataclasses.replace(wl, adapters=tuple(a for a in wl.adapters if a.id not in set(hot)))
+        tail_wl = tail_workload(wl, hot)
         t0 = time.perf_counter()
         tail = policy.place(tail_wl, args.max_gpus, PlacementContext.for_workload(tail_wl))
         place_s = time.perf_counter() - t0

@@ -47,6 +47,9 @@ def test_the_order_is_fewest_gpus_then_p99_then_loads():
     d = Candidate("every-gpu", None, False, 1, 100.0, 1.0, 0.0)
     assert sorted([a, b, c, d], key=Candidate.key) == [c, b, a, d]
     assert DEPLOYMENT_CHOICES[-1] == "best"
+    from lora_opt.cli import build_parser
+    place = build_parser()._subparsers._group_actions[0].choices["place"]
+    assert next(a for a in place._actions if a.dest == "deployment").choices == DEPLOYMENT_CHOICES
 
 
 def _place(tmp_path, *extra):

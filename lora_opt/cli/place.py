@@ -61,6 +61,7 @@ def register(sub) -> None:
                          "Inference Extension's per-adapter counter; lora-opt emulate's router exports it too)")
     pl.add_argument("--window", default="1h", help="--prometheus: the window ending now (a Prometheus duration: "
                                                    "15m, 1h, 1d; default 1h)")
+    # spelled here so that --help needs no import of the search stage; tests check it is DEPLOYMENT_CHOICES
     pl.add_argument("--deployment", choices=("static", "every-gpu", "hybrid", "best"),
                     help="judge deployments on the fleet twin at the same SLO and load (the confidence's verification "
                          "load, rho, the p99 TTFT bound) and return the one with the fewest GPUs: static (the policy's "
@@ -223,12 +224,12 @@ def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, d
     p.meta.setdefault("incoming_rate_req_s",
                       [sum(p.adapters[k].rate * w for k, w in on[g]) for g in range(len(p.gpus))])
     p.meta.update(deployment=best.deployment, judged_load=load)
-    if best.deployment != "static":     # what was judged is a picker, not router.json's fixed weights
-        on_use = " with adapters loaded on use" if best.deployment == "every-gpu" else ""
+    if best.fleet.router != "static":     # what was judged is a picker, not router.json's fixed weights
+        on_use = " with adapters loaded on use" if best.fleet.adapters == "on-demand" else ""
         p.meta.setdefault("notes", []).append(
-            f"{best.deployment} was judged behind the lora-affinity picker{on_use}: route with one (--emit-router "
-            "gateway writes the Gateway API Inference Extension's configuration); router.json's fixed weights are "
-            "not what was judged")
+            f"{best.deployment} was judged behind the {best.fleet.router} picker{on_use}: route with one "
+            "(--emit-router gateway writes the Gateway API Inference Extension's configuration); router.json's "
+            "fixed weights are not what was judged")
     return p, judged
 
 
@@ -253,4 +254,5 @@ def no_deployment_message(judged, gpus: int) -> str:
 
 def _candidate_dict(c) -> dict:
     return {"deployment": c.deployment, "gpus": c.gpus, "ok": c.ok, "ttft_p99_ms": c.ttft_p99_ms,
-            "served_fraction": c.served_fraction, "adapter_loads_per_s": c.adapter_loads_per_s, "detail": c.detail}
+            "served_fraction": c.served_fraction, "adapter_loads_per_s": c.adapter_loads_per_s, "detail": c.detail,
+            "router": c.fleet.router if c.fleet else None, "adapters": c.fleet.adapters if c.fleet else None}

@@ -19,6 +19,8 @@ trials comparable when it resumes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies.base import gpu_config
 from lora_opt.placement.workload_file import Workload
@@ -58,6 +60,12 @@ def hottest(wl: Workload, k: int) -> list[str]:
     """The ids of ``wl``'s ``k`` adapters with the highest rates (ties: the workload's order)."""
     order = sorted(range(len(wl.adapters)), key=lambda i: (-wl.adapters[i].rate, i))
     return [wl.adapters[i].id for i in order[:max(0, k)]]
+
+
+def tail_workload(wl: Workload, hot: list[str]) -> Workload:
+    """``wl`` without the ``hot`` adapters: what a hybrid's tail placement places."""
+    hot_set = set(hot)
+    return dataclasses.replace(wl, adapters=tuple(a for a in wl.adapters if a.id not in hot_set))
 
 
 def hybrid_placement(wl: Workload, profile: Profile, tail: Placement, hot: list[str], extra_gpus: int = 0,

@@ -22,7 +22,7 @@ from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies.packing import max_loras_that_start
 from lora_opt.placement.workload_file import Workload
-from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement
+from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement, tail_workload
 from twin.errors import ScenarioError
 
 #: what ``--deployment`` takes: one deployment, or ``best`` (each judged, the cheapest returned)
@@ -47,6 +47,8 @@ class Candidate:
     served_fraction: float | None = None
     adapter_loads_per_s: float | None = None
     detail: str = ""
+    fleet: FleetOptions | None = None
+    """The router and adapter mode it was judged with: what must serve it."""
 
     def key(self) -> tuple:
         """The recommendation's order: fewest GPUs, then lower p99 TTFT, then fewer adapter loads."""
@@ -61,7 +63,8 @@ def judge(p: Placement, wl: Workload, fleet: FleetOptions, load: float, ttft_p99
     ev = evaluate_on_fleet(p, scaled, fleet, criterion=Criterion(rho=wl.rho))
     p99 = ev["ttft_ms"]["p99"]
     ok = served_ok(ev) and (ttft_p99_s is None or (p99 is not None and p99 <= ttft_p99_s * 1000))
-    return {"ok": bool(ok), "gpus": len(p.gpus), "ttft_p99_ms": p99, "served_fraction": ev["served_fraction"],
+    return {"ok": bool(ok), "gpus": len(p.gpus), "fleet": fleet, "ttft_p99_ms": p99,
+            "served_fraction": ev["served_fraction"],
             "adapter_loads_per_s": (ev["adapter_loads_cpu"] + ev["adapter_loads_disk"]) / ev["duration_s"],
             "detail": (f"{ev['gpus_starving']} GPU(s) starving" if ev["gpus_starving"] else
                        f"{ev['gpus_failing_startup']} GPU(s) fail to start" if ev["gpus_failing_startup"] else
@@ -90,7 +93,7 @@ def _hybrid(wl, profile, pool, policy, ctx_for, load, ttft_p99_s, most) -> Candi
     fleet = FleetOptions(PICKER, "static")
     for k in (k for k in HOT_GRID if k < len(wl.adapters)):
         hot = hottest(wl, k)
-        tail_wl = dataclasses.replace(wl, adapters=tuple(a for a in wl.adapters if a.id not in set(hot)))
+        tail_wl = tail_workload(wl, hot)
         tail = policy.place(tail_wl, pool, ctx_for(tail_wl))
         if not tail.meta.get("feasible", True) or len(tail.gpus) > min(pool, most):
             continue

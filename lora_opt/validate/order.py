@@ -16,13 +16,13 @@ def first_token_order(real_rows: list[dict], twin_raw: dict) -> dict:
     "ttft_mean_ms": {"real", "twin"}, "per_adapter": {adapter: {"requests", "real_ms", "twin_ms"}}}``)"""
     from scipy.stats import kendalltau
     s = twin_raw["samples"]
-    arrival, done = np.asarray(s["arrival_s"], float), np.asarray(s["done"], bool)
-    twin_ttft = np.full(len(arrival), np.nan)
-    twin_ttft[done] = s["ttft_ms"]
-    twin_by_arrival = {round(float(a), 6): float(t) for a, t in zip(arrival, twin_ttft) if np.isfinite(t)}
-    matched = [(float(r["arrival_s"]), float(r["ttft_ms"]), twin_by_arrival[round(float(r["arrival_s"]), 6)],
-                r["adapter"]) for r in real_rows
-               if r["status"] == "ok" and round(float(r["arrival_s"]), 6) in twin_by_arrival]
+    finished = np.asarray(s["arrival_s"], float)[np.asarray(s["done"], bool)]     # ttft_ms: of these, in order
+    twin_by_arrival = {round(float(a), 6): float(t) for a, t in zip(finished, s["ttft_ms"])}
+    matched = []
+    for r in real_rows:
+        twin = twin_by_arrival.get(round(float(r["arrival_s"]), 6))
+        if r["status"] == "ok" and twin is not None:
+            matched.append((float(r["arrival_s"]), float(r["ttft_ms"]), twin, r["adapter"]))
     if len(matched) < 2:
         return {"requests": len(matched), "kendall_tau": float("nan"), "ttft_mean_ms": {}, "per_adapter": {}}
     a, real, twin = (np.array([m[i] for m in matched]) for i in range(3))
