@@ -36,7 +36,9 @@ def test_every_command_module_registers_one_command_with_a_run():
 def test_choices_come_from_the_registries():
     subs = _subparsers(cli.build_parser())
     assert _option(subs["place"], "--policy").choices == list(POLICIES)
-    assert _option(subs["place"], "--policy").default == DEFAULT_POLICY
+    # place resolves an absent --policy to the default (absent, --deployment best is its default)
+    assert _option(subs["place"], "--policy").default is None
+    assert f"(default: {DEFAULT_POLICY})" in _option(subs["place"], "--policy").help
     assert _option(subs["place"], "--oracle").choices == list(ORACLE_FILES)
     for cmd in ("search", "pareto"):
         assert _option(subs[cmd], "--objective").choices == list(OBJECTIVES)

@@ -254,7 +254,7 @@ RUN_HERE = {"--version", "simulate example"}
 #: the same, minutes on 2 cores (the main job with twin verification): under -m slow
 RUN_SLOW = {"place --workload configs/workloads/example.yaml --gpus 4 --emit-vllm",
             "place --workload example --gpus 4 --emit-vllm", "place --workload example --gpus 4",
-            "place --workload example --gpus 4 --deployment best"}
+            "place --workload example --gpus 4 --deployment static"}
 #: concrete documented commands not run here, and why (each is parsed above all the same)
 NOT_RUN_HERE = {
     "emulate --instances 2 --router round-robin": "a fleet that serves until stopped; "
@@ -346,5 +346,12 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("command", sorted(RUN_SLOW))
 def test_documented_command_runs_slow(command, tmp_path, monkeypatch, capsys):
     _run_documented(command, tmp_path, monkeypatch)
+    out = capsys.readouterr().out
+    if command.startswith("place") and "--deployment static" not in command:
+        # the main job's default: the recommendation, its runner-up and why, the chosen deployment's files
+        assert "recommended: " in out and "runner-up: " in out, out
     if "--emit-vllm" in command:
         assert list(tmp_path.glob("outputs/*/vllm/serve_commands.txt")), "place --emit-vllm wrote the launch commands"
+        chosen = out.split("recommended: ")[1].split(" on ")[0]
+        assert chosen == "static" or list(tmp_path.glob("outputs/*/router/inference-pools.yaml")), \
+            "a pick judged behind a picker comes with the picker's configuration"

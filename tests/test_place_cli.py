@@ -28,7 +28,8 @@ evaluation: {duration_s: 300}
 
 def test_place_writes_placement_commands_and_router(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--out", str(out), "--emit-vllm"])
+    rc = main(["place", "--workload", write(tmp_path, SMALL), "--gpus", "2", "--out", str(out), "--emit-vllm",
+               "--deployment", "static"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "A_max" in text and "margin" in text and "GPUs used by greedy-plus" in text

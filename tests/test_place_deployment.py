@@ -52,27 +52,59 @@ def test_the_order_is_fewest_gpus_then_p99_then_loads():
     assert next(a for a in place._actions if a.dest == "deployment").choices == DEPLOYMENT_CHOICES
 
 
-def _place(tmp_path, *extra):
+def _place(tmp_path, *extra, policy="greedy"):
     wl = tmp_path / "tiny.yaml"
     wl.write_text(yaml.safe_dump(TINY))
-    return cli_main(["place", "--workload", str(wl), "--gpus", "4", "--policy", "greedy", "--out",
-                     str(tmp_path / "out"), *extra])
+    return cli_main(["place", "--workload", str(wl), "--gpus", "4", *(["--policy", policy] if policy else []),
+                     "--out", str(tmp_path / "out"), *extra])
 
 
 def test_place_recommends_and_writes_the_chosen_deployment(tmp_path, capsys):
-    assert _place(tmp_path, "--deployment", "best", "--emit-vllm") == 0
+    assert _place(tmp_path, "--emit-vllm", policy=None) == 0     # no --policy: --deployment best is the default
     out = capsys.readouterr().out
     assert "recommended: " in out and "meets SLO" in out and "GPU(s)" in out
     chosen = out.split("recommended: ")[1].split(" on ")[0]
+    assert f"policy greedy-plus; deployment {chosen};" in out.splitlines()[0]
     p = json.loads((tmp_path / "out" / "placement.json").read_text())
     assert p["meta"]["deployment"] == chosen and p["meta"]["judged_load"] > 1.0
     assert (tmp_path / "out" / "vllm" / "serve_commands.txt").read_text().count("vllm serve") == len(p["gpus"])
-    if chosen != "static":                  # judged behind a picker: said, router.json is not it
-        assert "judged behind the lora-affinity picker" in out and "--emit-router gateway" in out
+    pools = tmp_path / "out" / "router" / "inference-pools.yaml"
+    if chosen != "static":
+        # judged behind a picker: said, and the launch commands come with the picker's configuration, told
+        # which metric names the commands' vLLM release exports
+        assert "judged behind the lora-affinity picker" in out and "router/inference-pools.yaml has" in out
+        text = pools.read_text()
+        assert "kind: InferencePool" in text and "-kvCacheUsagePercentageMetric vllm:kv_cache_usage_perc" in text
+    else:
+        assert not pools.exists()
     assert _place(tmp_path, "--deployment", "every-gpu", "--json") == 0
     d = json.loads(capsys.readouterr().out)
     assert [c["deployment"] for c in d["deployments"]] == ["every-gpu"] and d["meta"]["deployment"] == "every-gpu"
     assert all(len(r) == len(d["gpus"]) for r in d["routes"].values())        # every adapter on every GPU
+    assert not pools.exists()                  # no --emit-vllm: the previous run's files are gone, none written
+
+
+def test_static_is_the_policys_placement_not_judged(tmp_path, capsys):
+    # asked for, or implied by naming a policy: that policy's placement is the answer
+    for extra in (["--deployment", "static"], []):
+        assert _place(tmp_path, "--json", *extra) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert "deployments" not in d and "deployment" not in d["meta"] and d["policy"] == "greedy"
+
+
+def test_a_router_that_cannot_front_the_pick_is_refused_before_anything_is_written(tmp_path, capsys):
+    assert _place(tmp_path, "--deployment", "hybrid", "--emit-vllm", "--emit-router", "vllm-router:round-robin") == 2
+    err = capsys.readouterr().err
+    assert "vllm-router: it sends any request to any GPU" in err and "use gateway" in err
+    assert not (tmp_path / "out" / "placement.json").exists()
+
+
+def test_gateway_manifests_say_what_the_picker_must_read_per_vllm_release():
+    from lora_opt.placement.router_config import endpoint_picker_notes
+    assert endpoint_picker_notes(None) == [] and endpoint_picker_notes("0.8.5") == []
+    for release in ("0.32", "0.33"):
+        text = " ".join(endpoint_picker_notes(release))
+        assert f"vLLM {release} exports no vllm:gpu_cache_usage_perc" in text and "twice against" in text
 
 
 def test_no_deployment_meeting_the_slo_says_what_binds(tmp_path, capsys):

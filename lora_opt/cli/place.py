@@ -23,8 +23,9 @@ def register(sub) -> None:
     pl = sub.add_parser("place", help="place a workload's adapters on GPUs; vLLM launch commands and a router table")
     pl.add_argument("--workload", required=True, help="workload YAML/JSON, or a bundled workload by name (example)")
     pl.add_argument("--gpus", type=GPUS, required=True, help="GPUs in the pool")
-    pl.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
-                    help=f"placement policy (default: {DEFAULT_POLICY})")
+    pl.add_argument("--policy", choices=list(POLICIES),
+                    help=f"placement policy (default: {DEFAULT_POLICY}); given, --deployment defaults to static: its "
+                         "placement is the answer")
     pl.add_argument("--out", help="output directory (default: outputs/placement-<workload>)")
     pl.add_argument("--emit-vllm", action="store_true",
                     help="also write one vllm serve command per GPU and router.json")
@@ -63,11 +64,12 @@ def register(sub) -> None:
                                                    "15m, 1h, 1d; default 1h)")
     # spelled here so that --help needs no import of the search stage; tests check it is DEPLOYMENT_CHOICES
     pl.add_argument("--deployment", choices=("static", "every-gpu", "hybrid", "best"),
-                    help="judge deployments on the fleet twin at the same SLO and load (the confidence's verification "
-                         "load, rho, the p99 TTFT bound) and return the one with the fewest GPUs: static (the policy's "
-                         "placement), every-gpu (every adapter on every GPU, loaded on use, lora-affinity picker), "
-                         "hybrid (the hottest adapters everywhere, the tail placed), or best (all three judged); "
-                         "default: the policy's placement, not judged on the fleet")
+                    help="the deployments judged on the fleet twin at the same SLO and load (the confidence's "
+                         "verification load, rho, the p99 TTFT bound), the one with the fewest GPUs returned: best "
+                         "(all three; the default without --policy), static (the policy's placement alone, not judged "
+                         "on the fleet; the default with --policy), "
+                         "every-gpu (every adapter on every GPU, loaded on use, lora-affinity picker) or hybrid (the "
+                         "hottest adapters everywhere, the tail placed by the policy)")
     pl.add_argument("--json", action="store_true", help="print the placement and verdict as one JSON object")
     pl.set_defaults(run=run)
 
@@ -83,7 +85,17 @@ def _policy_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+def resolve_deployment(args: argparse.Namespace) -> None:
+    """The policy and deployment a command line means: asking for a policy is asking for its placement
+    (``static``); without one, the default policy and every deployment judged (``best``)."""
+    if args.deployment is None:
+        args.deployment = "static" if args.policy is not None else "best"
+    if args.policy is None:
+        args.policy = DEFAULT_POLICY
+
+
 def run(args: argparse.Namespace) -> int:
+    resolve_deployment(args)
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.placement.workload_file import load_workload
 
@@ -112,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     return run_place(wl, args.gpus, args.policy, out_dir=args.out, emit_vllm=args.emit_vllm, model=args.model,
                      surrogate=args.surrogate, policy_options=opts, as_json=args.json,
                      history=args.history, vllm_version=args.vllm_version, emit_router=args.emit_router,
-                     confidence=setting, deployment=args.deployment, slo_ttft_p99_s=args.ttft_p99_s)
+                     confidence=setting, slo_ttft_p99_s=args.ttft_p99_s,
+                     deployment=None if args.deployment == "static" else args.deployment)
 
 
 def prometheus_line(demand) -> str:
@@ -150,19 +163,29 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     judged = None
     if launch.get("deployment"):
         p, judged = _recommended(wl, gpus, p, policy, surrogate, setting, policy_options, launch["deployment"],
-                                 launch.get("slo_ttft_p99_s") or SLO_TTFT_P99_S)
+                                 launch.get("slo_ttft_p99_s") or SLO_TTFT_P99_S, history)
     if setting is not None and p.meta.get("feasible"):
         from lora_opt.placement.confidence import annotate
         annotate(p, wl, setting)          # each GPU's margin and probability of starving at the confidence
     code, message = verdict(p)
     if judged is not None and not judged[0].ok:
-        code, message = EXIT_NOT_ACCEPTABLE, no_deployment_message(judged, gpus)
+        why = no_deployment_message(judged, gpus)
+        # the policy's own verdict first where it is already infeasible (how many GPUs it needs)
+        code, message = EXIT_NOT_ACCEPTABLE, (f"{message}\n{why}" if code == EXIT_NOT_ACCEPTABLE else why)
+    if judged is not None and code == EXIT_OK and judged[0].fleet.router != "static":
+        # judged behind a picker: router.json's fixed weights are not what was judged; with the launch
+        # commands comes the configuration of a router that has the picker (unless another was asked for)
+        emit_router = emit_router or ("gateway" if emit_vllm else None)
+        p.meta.setdefault("notes", []).append(picker_note(judged[0], emit_router))
     out_path = Path(out_dir or f"outputs/placement-{wl.name or 'workload'}")
     written = []
     router_text = {}
     if emit_router and code == EXIT_OK:             # refused (PlacementError) before anything is written
         from lora_opt.placement.router_config import router_files
-        router_text = router_files(p, emit_router)
+        from lora_opt.placement.plan import PlacementError
+        from lora_opt.placement.vllm_launch import resolve_vllm_version
+        router_text = router_files(p, emit_router, vllm_release=resolve_vllm_version(
+            vllm_version, getattr(ctx.profile, "vllm_version", None), PlacementError))
     if code != EXIT_NOT_ACCEPTABLE:                 # infeasible: nothing placed to write
         written = write_outputs(p, ctx.profile, out_path, emit_vllm=emit_vllm and code == EXIT_OK, model=model,
                                 vllm_version=vllm_version)
@@ -177,8 +200,9 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
         out.write(json.dumps({"exit": code, "message": message, "files": [str(w) for w in written],
                               **p.to_dict(), **extra}) + "\n")
         return code
-    out.write(f"workload {wl.name}: {len(wl.adapters)} adapters, {wl.total_rate:.2f} req/s; policy {p.policy}; "
-              f"profile {wl.profile}\n")
+    deployed = f"; deployment {p.meta['deployment']}" if judged is not None and "deployment" in p.meta else ""
+    out.write(f"workload {wl.name}: {len(wl.adapters)} adapters, {wl.total_rate:.2f} req/s; policy {policy.name}"
+              f"{deployed}; profile {wl.profile}\n")
     if history:
         out.write(f"rates from {history}: {len(log):,} requests over {span:,.0f} s\n")
     if judged is not None:
@@ -200,7 +224,7 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
 SLO_TTFT_P99_S = 5.0
 
 
-def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, deployment, ttft_p99_s):
+def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, deployment, ttft_p99_s, history):
     """(the placement of the recommended deployment -- the static one when none meets the SLO --, the judged
     candidates, best first): ``lora_opt.search.recommend`` at the confidence's verification load (without an
     error model: 1 + the fixed margin) and the p99 TTFT bound ``ttft_p99_s``."""
@@ -215,34 +239,71 @@ def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, d
                        ctx_for=lambda w: PlacementContext.for_workload(w, surrogate),
                        ttft_p99_s=ttft_p99_s, deployment=deployment)
     best = judged[0]
+    how = (f"derived from the confidence {setting.confidence:g}" if setting is not None and setting.bound is not None
+           else f"the fixed margin {policy_options.get('margin', 0.1):g}")
+    p = best.placement if best.ok and best.placement is not None else static
+    p.meta.setdefault("notes", []).append(judged_note(wl, load, how, ttft_p99_s, history))
     if not best.ok or best.placement is None:
         return static, judged
-    p = best.placement
+    p.meta.update(deployment=best.deployment, judged_load=load,
+                  # the wall time of the whole answer: the policy's placement, then the judging
+                  policy_wall_ms=static.meta.get("policy_wall_ms", 0.0) + (time.perf_counter() - t0) * 1000)
+    if p is static:
+        return static, judged
     p.meta.setdefault("gpus_pool", gpus)
-    p.meta.setdefault("policy_wall_ms", (time.perf_counter() - t0) * 1000)
     on = p.by_gpu()
     p.meta.setdefault("incoming_rate_req_s",
                       [sum(p.adapters[k].rate * w for k, w in on[g]) for g in range(len(p.gpus))])
-    p.meta.update(deployment=best.deployment, judged_load=load)
-    if best.fleet.router != "static":     # what was judged is a picker, not router.json's fixed weights
-        on_use = " with adapters loaded on use" if best.fleet.adapters == "on-demand" else ""
-        p.meta.setdefault("notes", []).append(
-            f"{best.deployment} was judged behind the {best.fleet.router} picker{on_use}: route with one "
-            "(--emit-router gateway writes the Gateway API Inference Extension's configuration); router.json's "
-            "fixed weights are not what was judged")
     return p, judged
 
 
+def judged_note(wl, load: float, how: str, ttft_p99_s: float, history: str | None) -> str:
+    """How the deployments were judged, in words."""
+    from lora_opt.search.recommend import judge_window_s
+    traffic = ("the workload's evaluation traffic" +
+               (" at the rates observed in the request log (not its own requests)" if history else ""))
+    return (f"deployments judged on the fleet twin: {judge_window_s(wl):g} s of {traffic} at {load:.3f}x every rate "
+            f"({how}), "
+            f"no GPU starving at rho {wl.rho:g}, p99 TTFT <= {ttft_p99_s:g} s")
+
+
+def picker_note(best, emit_router: str | None) -> str:
+    """What routes a deployment judged behind a picker, and where its configuration is."""
+    on_use = " with adapters loaded on use" if best.fleet.adapters == "on-demand" else ""
+    where = ("router/inference-pools.yaml has the Gateway API Inference Extension's configuration"
+             if emit_router == "gateway" else f"--emit-router {emit_router} was asked for instead"
+             if emit_router else "--emit-vllm also writes the Gateway API Inference Extension's configuration")
+    return (f"{best.deployment} was judged behind the {best.fleet.router} picker{on_use}: route with one ({where}); "
+            "router.json's fixed weights are not what was judged")
+
+
 def recommendation_line(judged) -> str:
-    """The recommended deployment and the runner-up (the best of another deployment), in words."""
+    """The recommended deployment, the runner-up and why each other deployment lost, in words."""
+    from lora_opt.search.recommend import P99_TIE
     best = judged[0]
     if not best.ok:
         return "no deployment meets the SLO (see the notes above)"
-    other = next((c for c in judged[1:] if c.deployment != best.deployment), None)
-    runner = ("" if other is None else
-              f"; runner-up: {other.deployment} ({other.gpus} GPU(s))" if other.ok else
-              f"; {other.deployment} does not meet it within {other.gpus or '-'} GPU(s) ({other.detail})")
-    return f"recommended: {best.deployment} on {best.gpus} GPU(s) (p99 TTFT {best.ttft_p99_ms:,.0f} ms){runner}"
+    why = []
+    for c in judged[1:]:
+        if c.deployment == best.deployment:
+            continue
+        if not c.ok:
+            why.append(f"{c.deployment} misses it ({c.detail or 'not met'}"
+                       + (f" at {c.gpus} GPU(s))" if c.gpus else ")"))
+        elif c.gpus > best.gpus:
+            why.append(f"{c.deployment} needs {c.gpus} GPU(s)")
+        elif c.ttft_p99_ms <= best.ttft_p99_ms * (1 + P99_TIE):
+            why.append(f"{c.deployment} also {c.gpus}, p99 TTFT {c.ttft_p99_ms:,.0f} ms (within {P99_TIE:.0%}: a tie) "
+                       f"but {c.adapter_loads_per_s:.1f} adapter loads/s against {best.adapter_loads_per_s:.1f}")
+        else:
+            why.append(f"{c.deployment} also {c.gpus}, p99 TTFT {c.ttft_p99_ms:,.0f} ms "
+                       f"(+{c.ttft_p99_ms / best.ttft_p99_ms - 1:.0%})")
+    runner = next((c for c in judged[1:] if c.ok and c.deployment != best.deployment), None)
+    if runner is not None:          # the runner-up first, named
+        i = [c for c in judged[1:] if c.deployment != best.deployment].index(runner)
+        why.insert(0, "runner-up: " + why.pop(i))
+    return (f"recommended: {best.deployment} on {best.gpus} GPU(s), p99 TTFT {best.ttft_p99_ms:,.0f} ms -- the fewest "
+            "GPUs that meet the SLO" + ("; " + "; ".join(why) if why else ""))
 
 
 def no_deployment_message(judged, gpus: int) -> str:
