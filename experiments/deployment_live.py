@@ -3,6 +3,11 @@ fleet behind the router it was judged with, its workload's traffic replayed thro
 measured p99 TTFT, failed requests and served share against the SLO (MLflow experiment ``deployment-live``).
 
     python experiments/deployment_live.py [--speed 1] [--duration-s 120] [--out DIR]
+    python experiments/deployment_live.py --workload example --gpus 4 --speed 0.25 --duration-s 120 \
+        --out experiments/deployment_live_example
+
+``--workload`` (a workload file or a bundled name) replaces the built-in one below, ``--gpus`` the pool (8),
+``--deployment`` place's choice (best).
 
 The workload: 40 adapters (ranks 8 / 16), power-law popularity (alpha 0.8), 24 req/s, 200-token prompts and
 40-token answers, ``--max-num-seqs 4`` (as experiments/replan_apply.py: small enough that an emulated fleet
@@ -97,12 +102,20 @@ def judge(rows: list[dict], duration_s: float) -> dict:
             "errors": sorted({r["error"] for r in failed})[:5]}
 
 
-def report(placed: dict, result: dict, args, wall_s: float) -> str:
+def report(placed: dict, result: dict, args, wall_s: float, wl) -> str:
     f = (lambda x: "-" if x is None else f"{x:,.0f}")
+    what = ("40 adapters, 24 req/s, 200/40-token requests, --max-num-seqs 4" if args.workload is None else
+            f"{args.workload}: {len(wl.adapters)} adapters, {wl.total_rate:.1f} req/s")
+    extra = "".join(f" --{k.replace('_', '-')} {v}" for k, v in (("workload", args.workload), ("gpus", args.gpus),
+                                                                  ("deployment", args.deployment))
+                    if v is not None and (k, v) not in (("gpus", 8), ("deployment", "best")))
+    if args.out != str(OUT):
+        extra += f" --out {os.path.relpath(args.out, OUT.parent.parent)}"
     lines = ["# The recommended deployment, live on an emulated fleet", "",
-             f"Command: `python experiments/deployment_live.py --speed {args.speed:g} --duration-s {args.duration_s:g}` "
-             f"({wall_s / 60:.1f} min). Workload: 40 adapters, 24 req/s, 200/40-token requests, --max-num-seqs 4.", "",
-             "`lora-opt place --deployment best` (the fleet twin, 600 s at the confidence's verification load):", "",
+             f"Command: `python experiments/deployment_live.py{extra} --speed {args.speed:g} --duration-s "
+             f"{args.duration_s:g}` ({wall_s / 60:.1f} min). Workload: {what}.", "",
+             f"`lora-opt place --deployment {args.deployment}` (the fleet twin at the confidence's verification load):",
+             "",
              "| deployment | GPUs | meets SLO | p99 TTFT ms | note |", "|---|---|---|---|---|"]
     for c in placed["deployments"]:
         lines.append(f"| {c['deployment']} | {c['gpus'] or '-'} | {'yes' if c['ok'] else 'no'} | "
@@ -123,14 +136,19 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=120.0)
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--tracking-uri")
+    ap.add_argument("--workload", help="a workload file or bundled name (default: the built-in 40-adapter one)")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--deployment", default="best", choices=("best", "static", "every-gpu", "hybrid"))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     wl_path = out / "workload.yaml"
-    atomic_write_text(wl_path, yaml.safe_dump(workload(), sort_keys=False))
-    r = lora_opt("place", "--workload", str(wl_path), "--gpus", "8", "--deployment", "best", "--out",
-                 str(out / "placement"), "--emit-vllm", "--json")
+    text = (yaml.safe_dump(workload(), sort_keys=False) if args.workload is None else
+            yaml.safe_dump(load_workload(args.workload).to_dict(), sort_keys=False))
+    atomic_write_text(wl_path, text)
+    r = lora_opt("place", "--workload", str(wl_path), "--gpus", str(args.gpus), "--deployment", args.deployment,
+                 "--out", str(out / "placement"), "--emit-vllm", "--json")
     placed = json.loads(r.stdout)
     deployment = placed["meta"]["deployment"]
     judged = placed["deployments"][0]                 # the recommended one: served as it was judged
@@ -152,9 +170,10 @@ def main() -> None:
     wall = time.perf_counter() - t0
     atomic_write_json(out / "result.json", {"placed": {k: placed[k] for k in ("deployments", "meta")}, "live": result},
                       indent=1, default=str)
-    atomic_write_text(out / "report.md", report(placed, result, args, wall))
-    log_command_run("deployment-live", "place --deployment best, live", params={"speed": args.speed,
-                    "duration_s": args.duration_s}, metrics={"live": {k: v for k, v in result.items()
+    atomic_write_text(out / "report.md", report(placed, result, args, wall, load_workload(str(wl_path))))
+    log_command_run("deployment-live", f"place --deployment {args.deployment}, live", params={
+                    "speed": args.speed, "duration_s": args.duration_s, "workload": args.workload or "built-in",
+                    "gpus": args.gpus}, metrics={"live": {k: v for k, v in result.items()
                                                                        if isinstance(v, (int, float))}},
                     artifacts=[out], wall_s=wall, tracking_uri=args.tracking_uri)
     print((out / "report.md").read_text())

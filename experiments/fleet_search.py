@@ -3,6 +3,7 @@ the GPU-count vs latency front across deployments, on the Azure trace the fleet 
 (tracked in MLflow by the search itself, experiment ``search``).
 
     python experiments/fleet_search.py [--traces azure-conv azure-code] [--adapters 1000] [--trials 64] [--gpus 6]
+        [--deployments placement every-gpu hybrid]
 
 The trace's hour mapped to ``--adapters`` adapters with power-law popularity and ranks {8, 16, 32}
 (``fleet_comparison.powerlaw_split``: the same adapters, requests and seed), time compressed 8x,
@@ -10,12 +11,13 @@ written as a workload (``workload.yaml``: rates from the first half) and a reque
 (``history.csv``: the whole hour), then::
 
     lora-opt search --workload workload.yaml --history history.csv --gpus G --trials T
-        --deployment placement every-gpu --router static lora-affinity --adapters on-demand
+        --deployment placement every-gpu hybrid --router static lora-affinity --adapters on-demand
 
--- four studies: lora-opt's placement routed by its weights (static: an adapter's requests go only
+-- six studies: lora-opt's placement routed by its weights (static: an adapter's requests go only
 to the GPUs it is placed on, so on-demand loading never happens) or by the LoRA-affinity picker
 among all GPUs (on demand: it may leave the placement when queues grow); every adapter on every GPU
-(one A_max) behind a uniform router (static) or the picker.  Each study searches on the log's first
+(one A_max) behind a uniform router (static) or the picker; the hybrid (the study's hot count of adapters on
+every GPU, the tail split as a placement) behind its weights or the picker.  Each study searches on the log's first
 half and replays its front on the held-out second half; the fronts are merged.  Writes
 experiments/fleet_search/ (report.md; per trace: front.json, studies.db, workload.yaml, one folder per
 study with its plots; the front placements and history.csv are regenerated, not committed).
@@ -87,6 +89,7 @@ def run() -> None:
     ap.add_argument("--trials", type=int, default=64)
     ap.add_argument("--gpus", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deployments", nargs="+", default=["placement", "every-gpu", "hybrid"])
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--tracking-uri")
     args = ap.parse_args()
@@ -99,7 +102,7 @@ def run() -> None:
         wl_path, log = write_inputs(where, trace, args.adapters, args.compress, args.seed)
         storage = f"sqlite:///{where / 'studies.db'}"
         argv = ["search", "--workload", str(wl_path), "--history", str(log), "--gpus", str(args.gpus),
-                "--trials", str(args.trials), "--deployment", "placement", "every-gpu", "--router", "static",
+                "--trials", str(args.trials), "--deployment", *args.deployments, "--router", "static",
                 "lora-affinity", "--adapters", "on-demand", "--out", str(where), "--storage", storage,
                 "--seed", str(args.seed)]
         if args.tracking_uri:
@@ -111,6 +114,8 @@ def run() -> None:
     wall = time.perf_counter() - t0
     command = "python experiments/fleet_search.py" + "".join(
         f" --{k} {getattr(args, k)}" for k in ("adapters", "trials", "gpus"))
+    if args.deployments != ["placement", "every-gpu", "hybrid"]:
+        command += " --deployments " + " ".join(args.deployments)
     (out / "report.md").write_text(report(docs, fronts, command, wall))
     print(f"report -> {out / 'report.md'}")
 

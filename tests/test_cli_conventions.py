@@ -258,3 +258,16 @@ def test_train_json_is_the_metrics_and_mlflow_prints_are_log_records(tmp_path, c
     assert metrics == json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert "Successfully registered model" not in captured.err             # MLflow's own prints: not on stderr
     assert "mlflow: Successfully registered model 'lora-opt-throughput'" in log_file.read_text()
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    """``lora-opt simulate example | head -1``: the pipe closes before the output is written; the command
+    ends with 141 (128 + SIGPIPE, what a shell shows) and no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "simulate", "example"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()                       # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 141 and "Traceback" not in err, err

@@ -249,6 +249,30 @@ def test_pareto_cli_end_to_end(tmp_path, capsys):
         assert all(p["feasible"] for p in front)
 
 
+def test_pareto_fronts_per_deployment_behind_a_router(tmp_path, capsys):
+    """The deployment is a dimension of pareto's fronts: one study per deployment, a front each, every point
+    replayed behind the router given."""
+    import json
+
+    import yaml
+
+    from lora_opt.cli import main
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "p"
+    rc = main(["pareto", "--workload", str(wfile), "--gpus", "2", "--rhos", "0.8", "--ttft-slos-ms", "--itl-slos-ms",
+               "--trials", "2", "--workers", "1", "--out", str(out), "--deployment", "placement", "hybrid",
+               "--router", "lora-affinity", "--json", "--no-track"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["methods"] == ["greedy-plus", "greedy", "search", "search hybrid"]
+    assert set(res["hypervolume"]) == set(res["methods"]) and res["fleet"]["router"] == "lora-affinity"
+    assert res["cost"]["search hybrid"]["trials"] == 2
+    report = (out / "report.md").read_text()
+    assert "| search hybrid |" in report and "behind the lora-affinity router" in report
+    assert main(["pareto", "--workload", str(wfile), "--deployment", "everywhere"]) == 2
+    assert "invalid choice: 'everywhere'" in capsys.readouterr().err
+
+
 def test_task_pool_times_out_and_reports_exceptions():
     from lora_opt.parallel import TaskPool
     from lora_opt.parallel import idle_task

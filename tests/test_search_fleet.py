@@ -74,6 +74,28 @@ def test_every_gpu_trial_runs_on_the_fleet_twin_and_counts_loads(tiny):
         SearchSetup.build(wl, 3, ctx, deployment="everywhere")
 
 
+def test_a_hybrid_trial_puts_its_hot_adapters_everywhere_and_splits_the_tail(tiny):
+    from lora_opt.search.space import HYBRID_SEED_HOT, seed_params
+    wl, ctx = tiny
+    setup = SearchSetup.build(wl, 3, ctx, Criterion(rho=0.9), fleet=FleetOptions("lora-affinity"), deployment="hybrid")
+    params = {"hot": 3, "gpus": 2, "share_0": 0.5, "amax_0": 8, "share_1": 0.5, "amax_1": 8}
+    p = decode(params, setup)
+    hot = hottest(wl, 3)
+    assert len(p.gpus) == 2 and all(sorted(g for g, _ in p.routes[a]) == [0, 1] for a in hot)
+    tail = [a.id for a in wl.adapters if a.id not in hot]
+    assert all(len(p.routes[a]) == 1 for a in tail) and len(p.routes) == len(wl.adapters)
+    assert sorted(sum(1 for a in tail if p.routes[a][0][0] == g) for g in (0, 1)) == [10, 11]   # 21 tail adapters
+    out = run_trial(params, setup, Traffic(None, 120, seed=1))
+    assert out["values"][0] == 2.0 and out["metrics"]["ttft_p99_ms"] > 0
+    # a greedy placement seeds the study as its split of the tail of the HYBRID_SEED_HOT hottest
+    seed = seed_params(decode({"gpus": 2, "share_0": 0.5, "amax_0": 8, "share_1": 0.5, "amax_1": 8},
+                              SearchSetup.build(wl, 3, ctx)), setup)
+    assert seed["hot"] == HYBRID_SEED_HOT and seed["gpus"] == 2
+    with pytest.raises(ScenarioError, match="deployment hybrid: needs at least 2 adapters"):
+        SearchSetup.build(workload_from_dict({**TINY, "adapters": [TINY["adapters"][0] | {"count": 1}]}), 3,
+                          ctx, deployment="hybrid")
+
+
 def test_default_study_names_are_unchanged_and_fleet_ones_say_what_they_replay():
     assert study_suffix("placement", "static", "static") == ""
     assert study_suffix("every-gpu", "lora-affinity", "on-demand") == "-every-gpu-lora-affinity-on-demand"
@@ -91,13 +113,15 @@ def test_search_cli_across_deployments_and_routers(tmp_path, capsys):
     wfile.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "o"
     rc = main(["search", "--workload", str(wfile), "--gpus", "3", "--trials", "3", "--workers", "1", "--out", str(out),
-               "--deployment", "placement", "every-gpu", "--router", "lora-affinity", "--adapters", "on-demand",
+               "--deployment", "placement", "every-gpu", "hybrid", "--router", "lora-affinity", "--adapters", "on-demand",
                "--json", "--no-track"])
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and [(s["deployment"], s["router"], s["adapters"]) for s in res["studies"]] == [
-        ("placement", "lora-affinity", "on-demand"), ("every-gpu", "lora-affinity", "on-demand")]
-    assert res["trials"] == 6 and res["front"]
-    assert all(r["router"] == "lora-affinity" and r["deployment"] in ("placement", "every-gpu") for r in res["front"])
+        ("placement", "lora-affinity", "on-demand"), ("every-gpu", "lora-affinity", "on-demand"),
+        ("hybrid", "lora-affinity", "on-demand")]
+    assert res["trials"] == 9 and res["front"]
+    assert all(r["router"] == "lora-affinity" and r["deployment"] in ("placement", "every-gpu", "hybrid")
+               for r in res["front"])
     front = [(r["gpus"], r["p99_ttft"]) for r in res["front"]]
     assert front == sorted(front) and all(b[1] < a[1] for a, b in zip(front, front[1:]))     # non-dominated
     for d in ("placement-lora-affinity", "every-gpu-lora-affinity"):

@@ -10,6 +10,7 @@ Exit statuses, the logging flags and the environment variables: ``lora_opt.cli.c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lora_opt import no_network_env  # noqa: F401  (sets the no-network environment defaults)
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: exit status when stdout's reader closed it (128 + SIGPIPE, as a shell reports a command killed by it)
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (argparse's errors, e.g. a flag out of range, are 2)."""
     try:
@@ -64,3 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lora-opt {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`lora-opt place ... | head`): what was written is all it wanted.  Point
+        # stdout at /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

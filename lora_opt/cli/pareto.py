@@ -5,10 +5,12 @@ import argparse
 import shlex
 import sys
 
-from lora_opt.cli.conventions import (CONFIDENCE_OR_POINT, FRACTION, GPUS, POSITIVE_MS, SEED, add_ray_flags,
-                                      add_tracking_flag, int_range)
+from lora_opt.cli.conventions import (CONFIDENCE_OR_POINT, FRACTION, GPUS, POSITIVE_MS, SEED, add_fleet_flags,
+                                      add_ray_flags, add_tracking_flag, int_range)
 from lora_opt.errors import EXIT_NOT_ACCEPTABLE
+from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, DEPLOYMENTS
 from lora_opt.search.study import DEFAULT_OBJECTIVE, OBJECTIVES
+from twin.routers import ADAPTER_MODES, ROUTERS
 
 
 def register(sub) -> None:
@@ -28,6 +30,12 @@ def register(sub) -> None:
                          "method and confidence, the band between them in the plot (default: point)")
     pa.add_argument("--error-model", metavar="FILE", help="error model YAML for --confidence (default: the profile's "
                                                           "bundled one)")
+    pa.add_argument("--deployment", nargs="+", choices=list(DEPLOYMENTS), default=[DEFAULT_DEPLOYMENT],
+                    help="deployments searched, one study each per criterion and a front each (search, search "
+                         "every-gpu, search hybrid): placement (default: lora-opt's placement), every-gpu (every "
+                         "adapter on every GPU, one A_max), hybrid (the hottest adapters on every GPU, the tail "
+                         "placed; the study chooses how many are hot)")
+    add_fleet_flags(pa, ROUTERS, ADAPTER_MODES)
     pa.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=list(OBJECTIVES))
     pa.add_argument("--trials", type=int_range(0, 1_000_000), default=24, help="search trials per criterion (0 = greedy policies only)")
     pa.add_argument("--ref-latency-ms", type=POSITIVE_MS, default=60_000.0,
@@ -54,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
     if args.error_model and all(c is None for c in confidences):
         from lora_opt.errors import InputError
         raise InputError("--error-model: only with --confidence C (the point estimate uses no error model)")
+    from lora_opt.placement.instances import FleetOptions
+    scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
     config = ParetoConfig(criteria, objective=args.objective, trials=args.trials, seed=args.seed,
                           ref_latency_ms=args.ref_latency_ms, workers=args.workers, ray_address=args.ray_address,
-                          confidences=confidences, error_model=args.error_model)
+                          confidences=confidences, error_model=args.error_model, deployments=tuple(args.deployment),
+                          fleet=FleetOptions(args.router, args.adapters, **scrape))
     command = "lora-opt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["pareto"] else "lora-opt pareto ..."
     res, out = pareto_report(wl, args.gpus, config, history=args.history, out=args.out,
                              tracking_uri=args.tracking_uri, command=command,

@@ -7,8 +7,9 @@
   registered on every one (loaded on first use with ``--adapters on-demand``), one A_max for all,
   a router choosing the instance per request.  Its parameters: ``gpus`` and ``amax_0``.
 
-- a hybrid (:func:`hybrid_placement`; the fleet comparison's row (d), not yet a study's deployment): the
-  hottest adapters registered on every GPU, the long tail kept where a placement put it.
+- ``hybrid`` (:func:`hybrid_placement`; the fleet comparison's row (d), ``lora-opt place --deployment``'s third):
+  the hottest adapters registered on every GPU, the long tail kept where a placement put it; a study's
+  parameters add the hot count to the placement's (``lora_opt.search.space``).
 
 A deployment is a *fixed* property of a study (one study per deployment and router, their fronts
 merged by ``lora_opt.search.study.merge_fronts``), not a categorical parameter inside one study: the two parameter spaces
@@ -29,7 +30,8 @@ from twin.profile import Profile
 
 #: deployment -> what it is (``lora-opt search --deployment``)
 DEPLOYMENTS = {"placement": "lora-opt's placement: each adapter on its GPU(s)",
-               "every-gpu": "every adapter on every GPU, one A_max, the router picks the GPU"}
+               "every-gpu": "every adapter on every GPU, one A_max, the router picks the GPU",
+               "hybrid": "the hottest adapters on every GPU (the router picks), the tail placed"}
 DEFAULT_DEPLOYMENT = "placement"
 
 

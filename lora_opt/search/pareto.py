@@ -1,5 +1,7 @@
 """GPU count vs latency fronts: a sweep of feasibility criteria (rho values and SLO targets) for
-greedy-plus, the paper's greedy and the search; hypervolume per method; plots, a table, MLflow.
+greedy-plus, the paper's greedy and the search -- one study per deployment searched (``deployments``: a
+placement, every adapter on every GPU, a hybrid), each its own front; hypervolume per method; plots, a
+table, MLflow.
 
 Every point is a placement replayed on held-out traffic; it counts for a method's front if it is
 feasible (no starving GPU, none failing to start, every adapter placed) under the criterion it was
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +22,26 @@ from tqdm import tqdm
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.placement.confidence import resolve_bound
 from lora_opt.placement.evaluate import Criterion
+from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
+from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, check_deployment, study_suffix
 from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, heldout_verdict, hypervolume,
                                    nondominated, replay_front, run_search, traffic_halves)
 from lora_opt.tracking import log_dir, log_flat_metrics, log_params, tracked_run
 
 METHODS = ("greedy-plus", "greedy", "search")
+
+
+def search_method(deployment: str) -> str:
+    """The method name of a deployment's search points: ``search`` for a placement (the reports' name since
+    the first sweep), ``search every-gpu``, ``search hybrid``."""
+    return "search" if deployment == DEFAULT_DEPLOYMENT else f"search {deployment}"
+
+
+def methods_of(deployments) -> tuple[str, ...]:
+    """The methods of a sweep searching ``deployments`` (the default: ``METHODS``)."""
+    return ("greedy-plus", "greedy", *(search_method(d) for d in deployments))
 
 
 def criteria_sweep(rhos, ttft_slos_ms, itl_slos_ms, attainment: float) -> list[Criterion]:
@@ -82,6 +97,15 @@ class ParetoConfig:
     the twin also serves it at that load (``lora_opt.placement.confidence``)."""
     error_model: str | None = None
     """Error model file behind ``confidences`` (None: the profile's bundled one)."""
+    deployments: tuple = (DEFAULT_DEPLOYMENT,)
+    """Deployments searched (``lora_opt.search.deployments.DEPLOYMENTS``), one study per deployment and
+    criterion, a front each (``search_method``): the deployment is a dimension of the fronts."""
+    fleet: FleetOptions = field(default_factory=FleetOptions)
+    """How every point is replayed (router, adapters; default: each GPU alone, the placement's weights) --
+    ``every-gpu`` and ``hybrid`` are judged behind a load-aware router (``lora-affinity``)."""
+
+    def __post_init__(self):
+        self.deployments = tuple(dict.fromkeys(check_deployment(d) for d in self.deployments))
 
 
 def _sweep_point(c, conf, i: int, wl, pool: int, ctx, config: ParetoConfig, traffic: dict, storage_dir: Path,
@@ -90,7 +114,7 @@ def _sweep_point(c, conf, i: int, wl, pool: int, ctx, config: ParetoConfig, traf
     None): greedy-plus placed for them, the paper's greedy judged under them, the study's front."""
     objective, workers, ray_address = config.objective, config.workers, config.ray_address
     history_ctx = traffic["history_ctx"] or ctx
-    setup = SearchSetup.build(wl, pool, ctx, c, objective, confidence=conf)
+    setup = SearchSetup.build(wl, pool, ctx, c, objective, confidence=conf, fleet=config.fleet)
     tag = {"criterion": c.label, "confidence": setup.confidence}
     points = []
     t = time.perf_counter()
@@ -108,19 +132,23 @@ def _sweep_point(c, conf, i: int, wl, pool: int, ctx, config: ParetoConfig, traf
     points.append({"method": "greedy", **tag, "gpus": len(greedy_p.gpus), "latency_ms": lat,
                    "feasible": ok and bool(greedy_p.meta["feasible"])})
     cost["greedy"]["wall_s"] += time.perf_counter() - t
-    if config.trials > 0:
+    for deployment in config.deployments if config.trials > 0 else ():
         t = time.perf_counter()
+        method = search_method(deployment)
+        dsetup = SearchSetup.build(wl, pool, ctx, c, objective, confidence=conf, fleet=config.fleet,
+                                   deployment=deployment)
         name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
         name += "" if setup.confidence is None else f"-C{setup.confidence:g}"
-        res = run_search(setup, history_ctx, traffic["search"], trials=config.trials,
+        name += study_suffix(deployment, config.fleet.router, config.fleet.adapters)
+        res = run_search(dsetup, history_ctx, traffic["search"], trials=config.trials,
                          storage=f"sqlite:///{storage_dir / 'studies.db'}", study_name=name,
                          seed=criterion_seed(config.seed, i), workers=workers, ray_address=ray_address, progress=False)
-        for r in replay_front(res.front, setup, traffic["eval"], workers=workers, ray_address=ray_address):
-            points.append({"method": "search", **tag, "gpus": r["gpus"], "latency_ms": r["heldout"],
+        for r in replay_front(res.front, dsetup, traffic["eval"], workers=workers, ray_address=ray_address):
+            points.append({"method": method, **tag, "gpus": r["gpus"], "latency_ms": r["heldout"],
                            "feasible": r["heldout_feasible"], "search_latency_ms": r[objective], "trial": r["trial"],
                            "seed": r.get("seed")})
-        cost["search"]["wall_s"] += time.perf_counter() - t
-        cost["search"]["trials"] += res.trials
+        cost[method]["wall_s"] += time.perf_counter() - t
+        cost[method]["trials"] += res.trials
     return points
 
 
@@ -133,7 +161,8 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
     criteria = config.criteria
     settings = [None if c is None else resolve_bound(ctx.profile, c, config.error_model) for c in config.confidences]
     points: list[dict] = []
-    cost = {m: {"wall_s": 0.0, "trials": 0} for m in METHODS}
+    methods = methods_of(config.deployments)
+    cost = {m: {"wall_s": 0.0, "trials": 0} for m in methods}
     t = time.perf_counter()
     greedy_p = get_policy("greedy").place(wl, pool, ctx)
     cost["greedy"]["wall_s"] += time.perf_counter() - t
@@ -145,7 +174,7 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
     fronts, hv = {}, {}
     confidences = [None if s is None else s.confidence for s in settings]
     for conf in confidences:
-        for m in METHODS:
+        for m in methods:
             key = front_key(m, conf)
             front = pareto_points([p for p in points if p["method"] == m and p["confidence"] == conf
                                    and not math.isnan(p["latency_ms"])])
@@ -154,7 +183,8 @@ def run_pareto(wl, pool: int, ctx, config: ParetoConfig, *, search_traffic: Traf
     return {"points": points, "fronts": fronts, "hypervolume": hv, "cost": cost,
             "reference": {"gpus": ref[0], "latency_ms": config.ref_latency_ms}, "objective": config.objective,
             "criteria": [c.label for c in criteria], "pool": pool, "trials_per_criterion": config.trials,
-            "confidences": confidences,
+            "confidences": confidences, "methods": list(methods),
+            "fleet": {"router": config.fleet.router, "adapters": config.fleet.adapters},
             "confidence_settings": [None if s is None else s.to_dict() for s in settings]}
 
 
@@ -172,14 +202,16 @@ def plot_fronts(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
-    colors = {"greedy-plus": "C0", "greedy": "C1", "search": "C2"}
+    methods = result.get("methods", METHODS)
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    offsets = {m: 0.16 * i / max(1, len(methods) - 1) - 0.08 for i, m in enumerate(methods)}
     styles = ("-", "--", ":", "-.")
     confidences = result.get("confidences", [None])
     pool = result["pool"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in METHODS:
+    for m in methods:
         pts = [p for p in result["points"] if p["method"] == m and not math.isnan(p["latency_ms"])]
-        ax.scatter([p["gpus"] + {"greedy-plus": -0.08, "greedy": 0.0, "search": 0.08}[m] for p in pts],
+        ax.scatter([p["gpus"] + offsets[m] for p in pts],
                    [p["latency_ms"] for p in pts], s=14, alpha=0.35, color=colors[m],
                    marker="o", edgecolors="none")
         for j, conf in enumerate(confidences):
@@ -217,6 +249,10 @@ def report_md(result: dict, title: str, command: str) -> str:
              + "; ".join(result["criteria"]) + f"; search: {result['trials_per_criterion']} trials per criterion.",
              f"Hypervolume on (GPUs, log10 ms) against ({result['reference']['gpus']} GPUs, "
              f"{result['reference']['latency_ms']:,.0f} ms)."]
+    fleet = result.get("fleet") or {"router": "static", "adapters": "static"}
+    if fleet["router"] != "static" or fleet["adapters"] != "static":
+        lines.append(f"Every point replayed as one fleet behind the {fleet['router']} router, {fleet['adapters']} "
+                     "adapters (the fleet twin).")
     if confs:
         lines.append("Confidences: " + "; ".join(
             f"C={s['confidence']:g}: a point counts when the twin also serves it at {s['verification_load']:.3f}x the "
@@ -264,7 +300,9 @@ def pareto_report(wl: Workload, pool: int, config: ParetoConfig, *, history: str
         log_params({"workload": wl.name, "pool": pool, "objective": config.objective,
                            "trials_per_criterion": config.trials,
                            "criteria": "; ".join(c.label for c in config.criteria),
-                           "confidences": ", ".join("point" if c is None else f"{c:g}" for c in config.confidences)})
+                           "confidences": ", ".join("point" if c is None else f"{c:g}" for c in config.confidences),
+                           "deployments": ", ".join(config.deployments), "router": config.fleet.router,
+                           "adapters": config.fleet.adapters})
         res = run_pareto(wl, pool, ctx, config, search_traffic=search_traffic, eval_traffic=eval_traffic,
                          storage_dir=out, history_ctx=history_ctx)
         write_outputs(res, out, f"Pareto fronts: {wl.name}", command)

@@ -8,7 +8,7 @@ adapter is placed.
 Parametrisation (why): adapters are taken in the greedy's priority order (rank descending, rates
 zig-zagged) and a placement is ``gpus`` = k contiguous parts of it, part g getting a share
 ``share_g`` of the adapters and an integer A_max ``amax_g`` (clipped to the part's size and to what
-fits in memory).  Contiguous parts of a rank-descending order keep every GPU's max rank -- the
+fits in memory; the spaces of every deployment: ``lora_opt.search.space``).  Contiguous parts of a rank-descending order keep every GPU's max rank -- the
 dominant memory cost -- as low as the split allows, zig-zagged rates keep loads even, and the space
 is 2k + 1 numbers instead of one GPU per adapter; every greedy and greedy-plus placement is such a
 split, so the greedy seeds are exact points of the space.  Adapters too hot for one GPU (which
@@ -46,12 +46,11 @@ from lora_opt.placement.evaluate import (GRACE_S, Criterion, evaluate_on_fleet, 
 from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies import PlacementContext, get_policy
-from lora_opt.placement.policies.base import gpu_config
 from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
 from lora_opt.placement.workload_file import Workload, load_request_log, split_request_log
-from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, check_deployment, every_gpu_placement, study_suffix
+from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, check_deployment, study_suffix
+from lora_opt.search.space import AMAX_MAX, decode, encode, part_sizes, seed_params, suggest  # noqa: F401 (API)
 from twin.errors import ScenarioError
-from twin.profile import load_profile
 from twin.workload import Requests
 
 #: the latency objectives a study minimises beside the GPU count: name -> (evaluation key, statistic)
@@ -62,8 +61,6 @@ DEFAULT_OBJECTIVE = "p99_ttft"
 CONSTRAINTS = ("starving_gpus", "gpus_failing_startup", "unplaced_adapters")
 #: objective value of a trial with no completed request (finite: Optuna sorts it last)
 NO_LATENCY = 1e9
-#: A_max searched up to this (clipped per GPU to its adapters and its memory)
-AMAX_MAX = 1024
 #: trials asked per batch before any of them is told.  A property of the study -- never of the
 #: number of workers -- so that a seeded study proposes the same trials on 1 worker, 2 or a cluster
 #: (``run_search``); up to this many trials run at once.
@@ -162,6 +159,8 @@ class SearchSetup:
               deployment: str = DEFAULT_DEPLOYMENT, confidence=None) -> SearchSetup:
         """``confidence``: a ``lora_opt.placement.confidence.ConfidenceSetting`` (None: the point estimate)."""
         check_deployment(deployment)
+        if deployment == "hybrid" and len(wl.adapters) < 2:
+            raise ScenarioError("deployment hybrid: needs at least 2 adapters (the hot ones on every GPU, a tail placed)")
         if objective not in OBJECTIVES:
             raise ScenarioError(f"objective: {objective!r} not allowed; allowed values: {', '.join(OBJECTIVES)}")
         if not isinstance(pool, int) or pool < 1:
@@ -184,77 +183,6 @@ class SearchSetup:
     def label(self) -> str:
         """deployment / router / adapters, as a front row names them"""
         return f"{self.deployment} / {self.fleet.router} / {self.fleet.adapters}"
-
-
-def suggest(trial, setup: SearchSetup) -> dict:
-    """The trial's parameters (``gpus``, ``share_g``, ``amax_g`` for g < gpus; the ``every-gpu``
-    deployment: ``gpus`` and one ``amax_0``)."""
-    n = len(setup.order)
-    if setup.deployment == "every-gpu":
-        return {"gpus": trial.suggest_int("gpus", 1, setup.pool), "amax_0": trial.suggest_int("amax_0", 1, AMAX_MAX)}
-    k = trial.suggest_int("gpus", 1, min(setup.pool, n))
-    params = {"gpus": k}
-    for g in range(k):
-        params[f"share_{g}"] = trial.suggest_float(f"share_{g}", 0.001, 1.0)
-        params[f"amax_{g}"] = trial.suggest_int(f"amax_{g}", 1, AMAX_MAX)
-    return params
-
-
-def part_sizes(shares, n: int) -> list[int]:
-    """Largest-remainder rounding of n x shares / sum(shares), every part >= 1."""
-    w = np.asarray(shares, float)
-    exact = n * w / w.sum()
-    sizes = np.floor(exact).astype(int)
-    for i in np.argsort(-(exact - sizes), kind="stable")[: n - sizes.sum()]:
-        sizes[i] += 1
-    while (sizes == 0).any():                 # an empty part takes one adapter from the largest
-        sizes[int(np.argmax(sizes))] -= 1
-        sizes[int(np.flatnonzero(sizes == 0)[0])] += 1
-    return sizes.tolist()
-
-
-def decode(params: dict, setup: SearchSetup, label: str = "search") -> Placement:
-    """The placement a parameter set stands for."""
-    wl, order = setup.workload, setup.order
-    k = int(params["gpus"])
-    if setup.deployment == "every-gpu":
-        cap = max(setup.mem_caps[int(max(a.rank for a in wl.adapters))], 1)
-        p = every_gpu_placement(wl, load_profile(wl.profile), k, int(min(max(1, params["amax_0"]), cap)), label)
-        p.meta["params"] = params
-        return p
-    sizes = part_sizes([params[f"share_{g}"] for g in range(k)], len(order))
-    gpus, routes, s = [], {}, 0
-    prof = load_profile(wl.profile)
-    for g, n in enumerate(sizes):
-        idx = order[s:s + n]
-        ranks = [wl.adapters[i].rank for i in idx]
-        cap = setup.mem_caps[int(max(ranks))]
-        amax = int(min(max(1, params[f"amax_{g}"]), n, max(cap, 1)))
-        gpus.append(gpu_config(wl, prof, ranks, n, amax))
-        for i in idx:
-            routes[wl.adapters[i].id] = [(g, 1.0)]
-        s += n
-    return Placement(profile=wl.profile, adapters=list(wl.adapters), gpus=gpus, routes=routes, policy=label,
-                     meta={"rho": wl.rho, "params": params, "workload": wl.name})
-
-
-def encode(p: Placement, setup: SearchSetup) -> dict | None:
-    """Parameters of a placement made of contiguous parts of the priority order (None if not)."""
-    pos = {setup.workload.adapters[i].id: k for k, i in enumerate(setup.order)}
-    params: dict[str, Any] = {"gpus": len(p.gpus)}
-    if len(p.gpus) > setup.pool:
-        return None
-    expect = 0
-    on_gpu = p.by_gpu()
-    for g, cfg in enumerate(p.gpus):
-        ids = [p.adapters[k] for k, _ in on_gpu[g]]
-        ks = sorted(pos[a.id] for a in ids)
-        if any(len(p.routes[a.id]) != 1 for a in ids) or ks != list(range(expect, expect + len(ks))):
-            return None
-        expect += len(ks)
-        params[f"share_{g}"] = len(ks) / len(setup.order)
-        params[f"amax_{g}"] = int(min(cfg.max_loras, AMAX_MAX))
-    return params if expect == len(setup.order) else None
 
 
 def objective_value(ev: dict, objective: str) -> float:
@@ -424,8 +352,7 @@ def enqueue_seeds(study, setup: SearchSetup, ctx: PlacementContext) -> int:
         return 0
     seen = set()
     for label, p in seed_placements(setup, ctx):
-        params = encode(p, setup) if setup.deployment != "every-gpu" else \
-            {"gpus": min(len(p.gpus), setup.pool), "amax_0": AMAX_MAX}     # as many GPUs, the largest A_max that starts
+        params = seed_params(p, setup)
         key = None if params is None else tuple(sorted(params.items()))
         if params is not None and key not in seen:
             seen.add(key)

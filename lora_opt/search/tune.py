@@ -1,6 +1,6 @@
 """``lora-opt search --backend tune``: the same study as a Ray Tune experiment.
 
-Same space (``study.suggest`` as Optuna define-by-run), objectives, constraints, greedy seeds and
+Same space (``space.suggest`` as Optuna define-by-run), objectives, constraints, greedy seeds and
 Optuna storage as the default ask/tell backend (``study.run_search``), so ``lora-opt pareto``'s front
 code, ``optuna-dashboard`` and ``study_front`` read a Tune-run study unchanged.  Ray Tune's
 ``OptunaSearch.on_trial_complete`` tells Optuna only the objective values; ``constrained_searcher``
