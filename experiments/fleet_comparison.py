@@ -21,8 +21,10 @@ uniform one).  Deployments:
 - (c) ``placement + lora-affinity``: (a)'s placement, the endpoint picker choosing among an
   adapter's replicas; and the same with on-demand adapters (the placement as the start-up
   residency, any GPU may load any adapter: the picker may leave the placement when queues grow);
-- (r) what ``lora-opt place --deployment best`` recommends (judged on the fleet twin on Poisson traffic at
-  the first-half rates, 1.1x), measured on the replay like the others;
+- (r) what ``lora-opt place`` recommends by default (``--deployment best`` at confidence 0.9: greedy-plus's
+  placement at that confidence, every-gpu and hybrid, judged on the fleet twin on 3 draws of Poisson traffic at
+  the first-half rates x the confidence's verification load, the pick confirmed on 8 more), measured on the
+  replay like the others;
 - (d) ``hybrid + lora-affinity``: the ``--hot`` adapters with the highest first-half rates registered on
   every GPU, the long tail placed alone by greedy-plus (as (a), its first margin), plus as many GPUs
   serving only the hot adapters as the SLO needs (``lora_opt.search.deployments.hybrid_placement``);
@@ -158,27 +160,35 @@ def run_trace(trace, args):
             if any(r["ok"] for r in cell):
                 break
     rows += hybrid_rows(trace, wl, prof, replay, T, args)
-    rec, info["recommend_s"] = recommended_row(trace, wl, replay, T, args, chosen)
+    rec, info["recommend_s"], info["recommend_judged"] = recommended_row(trace, wl, replay, T, args, ctx)
     rows.append(rec)
     return rows, info
 
 
-def recommended_row(trace, wl, replay, T, args, static) -> tuple[dict, float]:
-    """(r): what ``lora-opt place --deployment best`` returns (``lora_opt.search.recommend``: static, every-gpu
-    and hybrid judged on the fleet twin on the workload's own Poisson traffic at the first-half rates x 1.1,
-    the fixed margin (a) was placed with), measured on the replay like the rows above; (row, seconds the
-    recommendation took)."""
+def recommended_row(trace, wl, replay, T, args, ctx) -> tuple[dict, float, list]:
+    """(r): what ``lora-opt place --history LOG`` returns by default (``--deployment best`` at its default
+    confidence, ``lora_opt.cli.place.DEFAULT_CONFIDENCE``): greedy-plus's placement at that confidence (verified on the
+    first half's requests, ``ctx``) and every-gpu and hybrid, all judged on the fleet twin on the workload's
+    Poisson traffic at the first-half rates x the confidence's verification load (``lora_opt.search.recommend``;
+    the issue: the same confidence for every side, not (a)'s fixed margins), the p99 bound the SLO's; measured on
+    the replay like the rows above; (row, seconds the placement and recommendation took, the judged table)."""
+    from lora_opt.cli.place import DEFAULT_CONFIDENCE
+    from lora_opt.placement.confidence import resolve_bound
     from lora_opt.search.recommend import recommend
-    policy = get_policy("greedy-plus", margin=MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
     t0 = time.perf_counter()
+    setting = resolve_bound(ctx.profile, DEFAULT_CONFIDENCE)
+    policy = get_policy("greedy-plus", confidence=DEFAULT_CONFIDENCE, ttft_p99_s=args.ttft_p99_ms / 1000)
+    static = policy.place(wl, args.max_gpus, ctx)
     judged = recommend(wl, args.max_gpus, static, policy=policy, ctx_for=PlacementContext.for_workload,
-                       load=1.0 + MARGINS[0], ttft_p99_s=args.ttft_p99_ms / 1000)
+                       load=setting.bound.verification_load, ttft_p99_s=args.ttft_p99_ms / 1000)
     took = time.perf_counter() - t0
     best = judged[0]
     fleet = best.fleet                       # served as it was judged
     r = measure(best.placement, wl, replay, T, fleet, args.ttft_p99_ms)
+    from lora_opt.search.recommend import candidates_table
     return ({"trace": trace, "deployment": f"(r) place --deployment best -> {best.deployment}", "router": fleet.router,
-             "adapters": fleet.adapters, "margin": MARGINS[0], "recommend_detail": best.detail, **r}, took)
+             "adapters": fleet.adapters, "margin": float("nan"), "recommend_detail": best.detail, **r}, took,
+            candidates_table(judged).splitlines())
 
 
 def hybrid_rows(trace, wl, prof, replay, T, args) -> list[dict]:

@@ -38,3 +38,5 @@ EXIT_NOT_DEPLOYABLE = 4
 EXIT_TWIN_FAILED = 5
 #: interrupted (Ctrl-C); what was finished is kept
 EXIT_INTERRUPTED = 130
+#: stdout's reader went away (``lora-opt ... | head``): 128 + SIGPIPE, as a shell reports a command killed by it
+EXIT_BROKEN_PIPE = 141

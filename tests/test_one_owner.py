@@ -96,7 +96,7 @@ def test_library_verdicts_use_the_defined_statuses():
             if name.startswith("EXIT_"):
                 assert getattr(mod, name) is getattr(errors, name), (mod.__name__, name)
     statuses = {n: getattr(errors, n) for n in dir(errors) if n.startswith("EXIT_")}
-    assert len(set(statuses.values())) == len(statuses) == 6, statuses
+    assert len(set(statuses.values())) == len(statuses) == 7, statuses
 
 
 # --- SMAPE -----------------------------------------------------------------------------------

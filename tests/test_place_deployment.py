@@ -69,12 +69,16 @@ def test_place_recommends_and_writes_the_chosen_deployment(tmp_path, capsys):
     assert p["meta"]["deployment"] == chosen and p["meta"]["judged_load"] > 1.0
     assert (tmp_path / "out" / "vllm" / "serve_commands.txt").read_text().count("vllm serve") == len(p["gpus"])
     pools = tmp_path / "out" / "router" / "inference-pools.yaml"
+    router = p["meta"].get("judged_router")
     if chosen != "static":
-        # judged behind a picker: said, and the launch commands come with the picker's configuration, told
-        # which metric names the commands' vLLM release exports
-        assert "judged behind the lora-affinity picker" in out and "router/inference-pools.yaml has" in out
-        text = pools.read_text()
-        assert "kind: InferencePool" in text and "-kvCacheUsagePercentageMetric vllm:kv_cache_usage_perc" in text
+        # judged behind a router other than its weights: said, and the launch commands come with that router's
+        # configuration -- the picker's told which metric names the commands' vLLM release exports
+        assert f"judged behind the {router} router" in out and "router.json's fixed weights" in out
+        if router == "lora-affinity":
+            text = pools.read_text()
+            assert "kind: InferencePool" in text and "-kvCacheUsagePercentageMetric vllm:kv_cache_usage_perc" in text
+        else:
+            assert f"--policy {router.replace('-', '_')}" in (tmp_path / "out" / "router" / "vllm-router.sh").read_text()
     else:
         assert not pools.exists()
     assert _place(tmp_path, "--deployment", "every-gpu", "--json") == 0
@@ -119,3 +123,26 @@ def test_an_unknown_deployment_is_refused_by_name(tmp_path, capsys):
     assert _place(tmp_path, "--deployment", "cheapest") == 2
     assert "argument --deployment: invalid choice: 'cheapest' (choose from 'static', 'every-gpu', 'hybrid', 'best')" \
         in capsys.readouterr().err
+
+
+def test_the_pick_is_confirmed_on_more_draws_and_a_miss_passes_it_on(monkeypatch):
+    """The candidate the recommendation would return is judged on CONFIRM_DRAWS further draws of the traffic;
+    a miss there un-meets it (said) and the next one is confirmed."""
+    import lora_opt.search.recommend as rec
+    from lora_opt.placement.instances import FleetOptions
+    a = Candidate("hybrid", object(), True, 2, 100.0, 1.0, 1.0, "20 hot", FleetOptions("lora-affinity"))
+    b = Candidate("every-gpu", object(), True, 2, 150.0, 1.0, 2.0, "A_max 8", FleetOptions("lora-affinity", "on-demand"))
+    calls = []
+
+    def judged(p, wl, fleet, load, ttft_p99_s, seeds=None):
+        calls.append((wl.evaluation.seed, seeds))
+        ok = p is b.placement
+        return {"ok": ok, "ttft_p99_ms": 160.0 if ok else 9000.0, "served_fraction": 0.97,
+                "detail": "" if ok else "p99 TTFT 9,000 ms over the bound (traffic draw 3 of 8; met on the 2 before)"}
+
+    monkeypatch.setattr(rec, "judge", judged)
+    wl = workload_from_dict(TINY)
+    rec.confirm([a, b], wl, 1.1, 5.0)
+    assert a.confirmed and not a.ok and "missed on a confirmation draw: p99 TTFT 9,000 ms" in a.detail
+    assert b.confirmed and b.ok and b.ttft_p99_ms == 160.0          # the worst of all its draws
+    assert calls == [(wl.evaluation.seed + rec.JUDGE_SEEDS, rec.CONFIRM_DRAWS)] * 2

@@ -19,7 +19,7 @@ from lora_opt.cli import (apply, bench, calibrate, calibrate_e2e, dataset, emula
                           ingest, operate, pareto, place, probe, replan, schedule, search, simulate, train,
                           validate)
 from lora_opt.cli.conventions import EPILOG, add_logging_flags, setup_logging, verbosity
-from lora_opt.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from lora_opt.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
 
 #: the commands, in the order ``lora-opt --help`` lists them
 COMMANDS = (simulate, bench, calibrate, calibrate_e2e, dataset, train, place, evaluate, replan, schedule, search,
@@ -40,10 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     for command_parser in sub.choices.values():     # the logging flags also after the command
         add_logging_flags(command_parser)
     return p
-
-
-#: exit status when stdout's reader closed it (128 + SIGPIPE, as a shell reports a command killed by it)
-EXIT_BROKEN_PIPE = 141
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,8 @@ import sys
 from tqdm import tqdm
 
 # the exit statuses are defined in lora_opt.errors (library code returns them too); EPILOG lists them
-from lora_opt.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_NOT_DEPLOYABLE, EXIT_OK,
-                             EXIT_TWIN_FAILED)
+from lora_opt.errors import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE,
+                             EXIT_NOT_DEPLOYABLE, EXIT_OK, EXIT_TWIN_FAILED)
 
 EPILOG = f"""\
 global options (before or after the command): -v/--verbose (repeat for more), -q/--quiet,
@@ -39,6 +39,7 @@ exit status:
   {EXIT_TWIN_FAILED:<4} validate: the live side was measured and written, the twin step failed (the reason
        is in <out>/twin_error.json and on stderr)
   {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); what was finished is kept
+  {EXIT_BROKEN_PIPE:<4} stdout's reader went away (lora-opt ... | head): the files were written
 
 environment: MLFLOW_TRACKING_URI (where runs are recorded; --tracking-uri wins), OPTUNA_STORAGE
 (search's default --storage; pareto keeps a sweep's studies in <out>/studies.db), RAY_ADDRESS (an existing Ray cluster); MLflow's, Ray's and Optuna's telemetry

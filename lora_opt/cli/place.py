@@ -175,8 +175,8 @@ def run_place(wl, gpus: int, policy_name: str, *, out_dir: str | None, emit_vllm
     if judged is not None and code == EXIT_OK and judged[0].fleet.router != "static":
         # judged behind a picker: router.json's fixed weights are not what was judged; with the launch
         # commands comes the configuration of a router that has the picker (unless another was asked for)
-        emit_router = emit_router or ("gateway" if emit_vllm else None)
-        p.meta.setdefault("notes", []).append(picker_note(judged[0], emit_router))
+        emit_router = emit_router or (router_config_for(judged[0].fleet.router) if emit_vllm else None)
+        p.meta.setdefault("notes", []).append(router_note(judged[0], emit_router))
     out_path = Path(out_dir or f"outputs/placement-{wl.name or 'workload'}")
     written = []
     router_text = {}
@@ -245,7 +245,7 @@ def _recommended(wl, gpus, static, policy, surrogate, setting, policy_options, d
     p.meta.setdefault("notes", []).append(judged_note(wl, load, how, ttft_p99_s, history))
     if not best.ok or best.placement is None:
         return static, judged
-    p.meta.update(deployment=best.deployment, judged_load=load,
+    p.meta.update(deployment=best.deployment, judged_load=load, judged_router=best.fleet.router,
                   # the wall time of the whole answer: the policy's placement, then the judging
                   policy_wall_ms=static.meta.get("policy_wall_ms", 0.0) + (time.perf_counter() - t0) * 1000)
     if p is static:
@@ -267,13 +267,23 @@ def judged_note(wl, load: float, how: str, ttft_p99_s: float, history: str | Non
             f"no GPU starving at rho {wl.rho:g}, p99 TTFT <= {ttft_p99_s:g} s")
 
 
-def picker_note(best, emit_router: str | None) -> str:
-    """What routes a deployment judged behind a picker, and where its configuration is."""
+def router_config_for(router: str) -> str:
+    """The ``--emit-router`` configuration of a fleet-twin router: the Gateway API Inference Extension for the
+    picker, vllm-router for its policies."""
+    from lora_opt.placement.router_config import VLLM_ROUTER_POLICIES
+    return f"vllm-router:{router}" if router in VLLM_ROUTER_POLICIES else "gateway"
+
+
+def router_note(best, emit_router: str | None) -> str:
+    """What routes a deployment judged behind a router other than its weights, and where its configuration is."""
     on_use = " with adapters loaded on use" if best.fleet.adapters == "on-demand" else ""
-    where = ("router/inference-pools.yaml has the Gateway API Inference Extension's configuration"
-             if emit_router == "gateway" else f"--emit-router {emit_router} was asked for instead"
-             if emit_router else "--emit-vllm also writes the Gateway API Inference Extension's configuration")
-    return (f"{best.deployment} was judged behind the {best.fleet.router} picker{on_use}: route with one ({where}); "
+    wanted = router_config_for(best.fleet.router)
+    name = "the Gateway API Inference Extension" if wanted == "gateway" else "vllm-router"
+    file = "router/inference-pools.yaml" if wanted == "gateway" else "router/vllm-router.sh"
+    where = (f"{file} has {name}'s configuration" if emit_router == wanted else
+             f"--emit-router {emit_router} was asked for instead of {wanted}" if emit_router else
+             f"--emit-vllm also writes {name}'s configuration")
+    return (f"{best.deployment} was judged behind the {best.fleet.router} router{on_use}: route with it ({where}); "
             "router.json's fixed weights are not what was judged")
 
 
@@ -284,9 +294,11 @@ def recommendation_line(judged) -> str:
     if not best.ok:
         return "no deployment meets the SLO (see the notes above)"
     why = []
+    seen = {best.deployment}
     for c in judged[1:]:
-        if c.deployment == best.deployment:
+        if c.deployment in seen:      # a deployment's other tries (missed confirmations): in the table
             continue
+        seen.add(c.deployment)
         if not c.ok:
             why.append(f"{c.deployment} misses it ({c.detail or 'not met'}"
                        + (f" at {c.gpus} GPU(s))" if c.gpus else ")"))
@@ -302,8 +314,10 @@ def recommendation_line(judged) -> str:
     if runner is not None:          # the runner-up first, named
         i = [c for c in judged[1:] if c.deployment != best.deployment].index(runner)
         why.insert(0, "runner-up: " + why.pop(i))
+    from lora_opt.search.recommend import CONFIRM_DRAWS, JUDGE_SEEDS
+    draws = f" on all {JUDGE_SEEDS + CONFIRM_DRAWS} draws of the traffic" if best.confirmed else ""
     return (f"recommended: {best.deployment} on {best.gpus} GPU(s), p99 TTFT {best.ttft_p99_ms:,.0f} ms -- the fewest "
-            "GPUs that meet the SLO" + ("; " + "; ".join(why) if why else ""))
+            f"GPUs that meet the SLO{draws}" + ("; " + "; ".join(why) if why else ""))
 
 
 def no_deployment_message(judged, gpus: int) -> str:
