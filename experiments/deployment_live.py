@@ -7,7 +7,9 @@ measured p99 TTFT, failed requests and served share against the SLO (MLflow expe
         --out experiments/deployment_live_example
 
 ``--workload`` (a workload file or a bundled name) replaces the built-in one below, ``--gpus`` the pool (8),
-``--deployment`` place's choice (best).
+``--deployment`` place's choice (best).  A pick judged behind a vllm-router policy is fronted by vllm-router
+itself (the command ``place --emit-vllm`` writes, its ports moved to the fleet's; $VLLM_ROUTER_BIN, PATH or
+the real-vLLM tier's), unless ``--no-vllm-router`` or none is installed.
 
 The workload: 40 adapters (ranks 8 / 16), power-law popularity (alpha 0.8), 24 req/s, 200-token prompts and
 40-token answers, ``--max-num-seqs 4`` (as experiments/replan_apply.py: small enough that an emulated fleet
@@ -18,11 +20,13 @@ written), ``emulate --placement`` with the judged router (``static`` weights for
 requests (its seed) for ``--duration-s`` simulated seconds through the router (``lora_opt.emulate.client``,
 judged as ``validate`` judges requests).  The SLO: no failed request, p99 TTFT within place's bound
 (5 s), and every request sent before the last 60 s finished.  Writes OUT/ (workload, placement,
-requests.csv, fleet.log, report.md, result.json)."""
+requests.csv, fleet.log, router.log where vllm-router fronted the fleet, report.md, result.json)."""
 import argparse
 import asyncio
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +40,7 @@ from lora_opt.emulate.fleet import free_ports
 from lora_opt.io import atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.evaluate import workload_requests
 from lora_opt.placement.plan import Placement
+from lora_opt.placement.router_config import VLLM_ROUTER_POLICIES, VLLM_ROUTER_VERSION, vllm_router_command
 from lora_opt.placement.workload_file import load_workload
 from lora_opt.tracking import log_command_run
 from lora_opt.validate.measure import REQUEST_COLUMNS, request_rows
@@ -63,28 +68,55 @@ def lora_opt(*argv: str) -> subprocess.CompletedProcess:
     return r
 
 
-def start_fleet(placement: Path, router: str, adapters: str, speed: float, log: Path) -> tuple[subprocess.Popen, str]:
-    """``lora-opt emulate --placement`` with the router and adapter mode the deployment was judged with;
-    (process, router URL)."""
+def start_fleet(placement: Path, router: str | None, adapters: str, speed: float, log: Path) -> tuple[subprocess.Popen, str, int]:
+    """``lora-opt emulate --placement`` with the router and adapter mode the deployment was judged with (``router``
+    None: the instances alone, another router fronts them); (process, router URL or None, base port)."""
     base, router_port = free_ports(16), free_ports(1)
     f = open(log, "w")
+    front = [] if router is None else ["--router-port", str(router_port), "--router", router]
     proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "emulate", "--placement", str(placement),
-                             "--base-port", str(base), "--router-port", str(router_port), "--router", router,
-                             "--adapters", adapters, "--speed", str(speed)],
+                             "--base-port", str(base), *front, "--adapters", adapters, "--speed", str(speed)],
                             stdout=subprocess.PIPE, stderr=f, text=True, env=dict(os.environ))
     for line in proc.stdout:
         if line.strip() == "ready":
-            return proc, f"http://127.0.0.1:{router_port}"
+            return proc, None if router is None else f"http://127.0.0.1:{router_port}", base
     raise SystemExit(f"the emulated fleet did not start (log: {log})")
 
 
-async def replay(router: str, wl, p: Placement, speed: float, duration_s: float):
+def vllm_router_binary() -> str | None:
+    """vLLM's router: $VLLM_ROUTER_BIN, PATH, or the real-vLLM tier's (tools/vllm_tier/build.sh)."""
+    tier = Path(__file__).resolve().parents[1] / ".vllm-tier" / "router-venv" / "bin" / "vllm-router"
+    return os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router") or (str(tier) if tier.exists() else None)
+
+
+def start_vllm_router(binary: str, p: Placement, policy: str, base: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """The command ``place --emit-vllm`` writes to router/vllm-router.sh for ``p`` (only the ports moved to the
+    emulated fleet's), run; (process, URL) once its /health answers."""
+    import httpx
+    port = free_ports(1)
+    argv = [binary, *vllm_router_command(p, policy, base_port=base, port=port)[1:]]
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    with httpx.Client(timeout=2, trust_env=False) as c:
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if c.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return proc, f"http://127.0.0.1:{port}"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"vllm-router did not become ready (log: {log})")
+
+
+async def replay(router: str, wl, p: Placement, speed: float, duration_s: float, tokenizer: str | None = None):
     req = workload_requests(wl, min(g.max_model_len for g in p.gpus))
     keep = req.arrival < duration_s
     req = type(req)(req.arrival[keep], req.adapter[keep], req.in_len[keep], req.out_len[keep])
     models = [a.id for a in wl.adapters]
     target = np.zeros(len(req), np.int64)
-    prompts = await server_prompt_tokens(router + "/v1")
+    prompts = await server_prompt_tokens((tokenizer or router) + "/v1")
     records = await replay_routed([router + "/v1"], req, target, models, speed, end_s=duration_s + TAIL_S,
                                   prompts=prompts)
     return req, request_rows(records, req, target, [router + "/v1"], models, speed)
@@ -139,6 +171,8 @@ def main() -> None:
     ap.add_argument("--workload", help="a workload file or bundled name (default: the built-in 40-adapter one)")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--deployment", default="best", choices=("best", "static", "every-gpu", "hybrid"))
+    ap.add_argument("--no-vllm-router", action="store_true",
+                    help="front a pick judged behind a vllm-router policy with lora-opt's router, not vllm-router")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,19 +187,32 @@ def main() -> None:
     deployment = placed["meta"]["deployment"]
     judged = placed["deployments"][0]                 # the recommended one: served as it was judged
     p = Placement.load(out / "placement" / "placement.json")
-    proc, router = start_fleet(out / "placement" / "placement.json", judged["router"], judged["adapters"], args.speed,
-                               out / "fleet.log")
+    binary = None if args.no_vllm_router else vllm_router_binary()
+    real_router = judged["router"] in VLLM_ROUTER_POLICIES and binary is not None
+    proc, router, base = start_fleet(out / "placement" / "placement.json", None if real_router else judged["router"],
+                                     judged["adapters"], args.speed, out / "fleet.log")
+    front, served_by = None, judged["router"]
     try:
-        req, rows = asyncio.run(replay(router, load_workload(str(wl_path)), p, args.speed, args.duration_s))
+        if real_router:         # vllm-router where it applies: the command place writes, in front of the fleet
+            front, router = start_vllm_router(binary, p, judged["router"], base, out / "router.log")
+            served_by = f"vllm-router {VLLM_ROUTER_VERSION} --policy {VLLM_ROUTER_POLICIES[judged['router']]}"
+        req, rows = asyncio.run(replay(router, load_workload(str(wl_path)), p, args.speed, args.duration_s,
+                                       tokenizer=f"http://127.0.0.1:{base}" if real_router else None))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for pr in (front, proc):
+            if pr is None:
+                continue
+            pr.terminate()
+            try:
+                pr.wait(15)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+        if front is not None:   # vllm-router colours its log: kept as plain text
+            log = out / "router.log"
+            log.write_text(re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()))
     atomic_write_rows(out / "requests.csv", rows, REQUEST_COLUMNS)
     result = {**judge(rows, args.duration_s), "deployment": deployment, "gpus": len(p.gpus),
-              "router": judged["router"], "speed": args.speed,
+              "router": served_by, "speed": args.speed,
               "duration_s": args.duration_s}
     wall = time.perf_counter() - t0
     atomic_write_json(out / "result.json", {"placed": {k: placed[k] for k in ("deployments", "meta")}, "live": result},
