@@ -307,6 +307,13 @@ NOT_RUN_HERE = {
     "bench place --out experiments/bench/place.json": "rewrites committed results; tests/test_bench_place.py",
     "bench fleet": "a benchmark (minutes); tests/test_fleet.py runs a small one",
     "bench fleet --out experiments/bench/fleet.json": "rewrites committed results; tests/test_fleet.py runs a small one",
+    "place --workload my.yaml --gpus 8 --policy greedy-plus --emit-vllm --out placed":
+        "a user's own workload file (docs/operate.md's walk-through); tests/test_hardening.py places with --emit-vllm",
+    "emulate --routes placed/router.json --router-port 9000": "a router that runs until stopped; tests/test_reconcile.py",
+    "emulate --routes placed/router.json --router-port 9000 --retry-for-s 30":
+        "a router that runs until stopped; tests/test_reconcile.py",
+    "operate placed --prometheus http://127.0.0.1:9090 --router http://127.0.0.1:9000 --window 15m --interval-s 900 "
+    "--reconcile-s 10 --out operate": "a loop against a live fleet; tests/test_operate.py, experiments/operate_faults.py",
     "schedule --drift traces": "a day of replans (minutes); experiments/drift_day.py --drift traces runs it, "
                                "tests/test_schedule.py runs small ones",
 }

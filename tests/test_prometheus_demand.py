@@ -133,6 +133,12 @@ def test_the_router_exports_the_inference_extensions_series(scraped_fleet):
         'model_name="ad0",target_model_name="ad0",', "")   # the endpoint picker's own buckets
 
 
+def test_a_query_prometheus_refuses_is_named_with_why(scraped_fleet):
+    _, prom, _, _ = scraped_fleet
+    with pytest.raises(InputError, match=r"refused 'sum\(inference_model_request_total': bad_data: .*parse error"):
+        Prometheus(prom.url).query("sum(inference_model_request_total", time.time())
+
+
 def test_read_demand_gives_each_adapters_rate_and_the_lengths(scraped_fleet):
     _, prom, _, _ = scraped_fleet
     demand = read_demand(prom.url, "60s")

@@ -36,7 +36,8 @@ FAST = HealthChecks(interval_s=0.2, timeout_s=1.0, failure_threshold=2, success_
 # ---- bookkeeping --------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("interval_s", -1), ("timeout_s", 0), ("failure_threshold", 0),
                                           ("success_threshold", 1.5), ("interval_s", float("nan")),
-                                          ("endpoint", "health")])
+                                          ("endpoint", "health"), ("retry_for_s", -0.5),
+                                          ("retry_for_s", float("inf"))])
 def test_bad_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(InputError, match=field):
         HealthChecks(**{field: value})

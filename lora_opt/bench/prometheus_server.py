@@ -32,13 +32,13 @@ class PrometheusServer:
     """``targets``: ``host:port`` of each server whose ``/metrics`` it scrapes (job ``gateway``)."""
 
     def __init__(self, targets: list[str], data_dir: str | Path, *, scrape_interval: str = "1s",
-                 start_timeout_s: float = 60.0):
+                 start_timeout_s: float = 60.0, port: int | None = None):
         binary = prometheus_binary()
         if binary is None:
             raise InputError("prometheus is not installed (tools/prometheus/install.sh, or set PROMETHEUS_BIN)")
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = port or _free_port()       # a server started again on its data: the same port
         self.url = f"http://127.0.0.1:{self.port}"
         targets_yaml = ", ".join(f'"{t}"' for t in targets)
         config = (f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: {scrape_interval}\n"

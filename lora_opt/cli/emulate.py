@@ -24,6 +24,10 @@ def register(sub) -> None:
     src.add_argument("--scenario", help="one instance: a scenario file (profile, adapters, engine flags, lengths)")
     src.add_argument("--placement", help="a fleet: DIR/placement.json, one instance per GPU on the ports its "
                                          "router.json names (or --base-port + GPU index)")
+    src.add_argument("--routes", metavar="ROUTER_JSON",
+                     help="the router alone, on --router-port, in front of instances served elsewhere: its table "
+                          "(router.json: adapter id -> [{endpoint, weight}], as place writes it; a placement folder: "
+                          "its router.json); its own process, so that it can fail and be restarted alone")
     e.add_argument("--profile", help="one instance from vLLM's flags: the model profile (YAML, or a bundled "
                                      f"name: {', '.join(bundled_profiles())})")
     e.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -76,6 +80,11 @@ def register(sub) -> None:
     e.add_argument("--health-successes", type=int_range(1, 1000), default=HealthChecks.success_threshold,
                    help="passed health checks in a row that re-admit an ejected instance "
                         f"(default {HealthChecks.success_threshold})")
+    e.add_argument("--retry-for-s", type=finite_float(0.0, 3600.0), default=HealthChecks.retry_for_s,
+                   help="seconds the router tries again a request that reached no instance (every instance of its "
+                        "adapter refused it, or none is routed), every 0.5 s, before answering it with an error: "
+                        "an instance relaunched meanwhile serves it; a request sent to an instance is never tried "
+                        f"again (default {HealthChecks.retry_for_s:g})")
     e.add_argument("--speed", type=finite_float(0.001, 10_000.0), default=1.0, help="simulated seconds per wall second (default 1)")
     e.add_argument("--lengths", help="length model EOS stops are drawn from (default: the scenario's, else sharegpt)")
     e.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the EOS draws and of the router's draws")
@@ -152,9 +161,48 @@ def _specs(args, files=None):
     return specs
 
 
+def _health(args) -> HealthChecks:
+    return HealthChecks(args.health_interval_s, args.health_timeout_s, args.health_failures, args.health_successes,
+                        retry_for_s=args.retry_for_s)
+
+
+def _router_alone(args) -> int:
+    """``--routes``: the router's process alone (no instance), serving until SIGINT/SIGTERM."""
+    import asyncio
+
+    from lora_opt.emulate.fleet import serve
+    from lora_opt.emulate.router import RouteTable
+    from lora_opt.errors import InputError
+    from lora_opt.placement.instances import routing_seed
+    from twin.parsing import read_config_file
+    if args.router_port is None:
+        raise InputError("--routes: needs --router-port (where the router listens)")
+    path = Path(args.routes)
+    path = path / "router.json" if path.is_dir() else path
+    table = read_config_file(path, "router table", InputError)
+    if not isinstance(table, dict):
+        raise InputError(f"--routes: {path} is not a router table (adapter id -> [{{endpoint, weight}}])")
+    if args.router == "lora-affinity":
+        raise InputError("--router lora-affinity: reads the instances' metrics, which only a router serving the "
+                         "emulated instances in its own process has (drop --routes)")
+    RouteTable({}, policy="static").reroute(table)         # the checks of POST /router/routes, its messages
+    rt = RouteTable(table, routing_seed(args.seed), policy=args.router, health=_health(args))
+    host = args.host or "127.0.0.1"
+
+    def ready():
+        print(f"router: http://{host}:{args.router_port}/v1 -> {len(rt.endpoints)} instances ({args.router})",
+              flush=True)
+        print("ready", flush=True)
+    asyncio.run(serve([], log_level=args.log_level or "warning", ready=ready, router=(host, args.router_port, rt)))
+    print("emulate: router stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    if args.routes:
+        return _router_alone(args)
     from lora_opt.emulate.fleet import front, make_instance, serve
     from lora_opt.placement.instances import routing_seed
     from lora_opt.emulate.vllm_versions import choose
@@ -172,8 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if args.router_port is not None:
         table = front(specs, [inst for _, inst in instances], args.placement, policy=args.router,
                       seed=routing_seed(args.seed), scrape_interval_s=args.scrape_interval_s,
-                      health=HealthChecks(args.health_interval_s, args.health_timeout_s, args.health_failures,
-                                          args.health_successes))
+                      health=_health(args))
         router = (args.host or "127.0.0.1", args.router_port, table)
 
     def ready():

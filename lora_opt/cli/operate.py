@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lora_opt.cli.conventions import POSITIVE_S, add_tracking_flag, int_range
+from lora_opt.cli.conventions import POSITIVE_S, add_tracking_flag, finite_float, int_range
 from lora_opt.cli.probe import SERVER_CMD_ENV
 from lora_opt.cli.replan import add_replan_flags
 
@@ -20,6 +20,10 @@ def register(sub) -> None:
     o.add_argument("--window", default="5m", help="the demand window before each cycle (a Prometheus duration; "
                                                   "default 5m)")
     o.add_argument("--interval-s", type=POSITIVE_S, default=60.0, help="wall seconds between cycles (default 60)")
+    o.add_argument("--reconcile-s", type=finite_float(0.0, 86400.0), default=5.0,
+                   help="wall seconds between two reconciliations of the fleet to the running placement between "
+                        "cycles: a dead instance launched again, the router's table put back, what a plan cut short "
+                        "left undone (0: only at each cycle's start; default 5)")
     o.add_argument("--cycles", type=int_range(1, 10**9), help="stop after this many cycles (default: until Ctrl-C)")
     o.add_argument("--host", default="127.0.0.1", help="host of the instances (default 127.0.0.1)")
     o.add_argument("--base-port", type=int_range(1, 65535), default=8000,
@@ -50,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     current = Placement.load(args.current)
     policy = policy_from_flags(args, load_profile(current.profile))
     cfg = OperateConfig(prometheus=args.prometheus, router=args.router, window=args.window,
-                        interval_s=args.interval_s, cycles=args.cycles, host=args.host, base_port=args.base_port,
+                        interval_s=args.interval_s, reconcile_s=args.reconcile_s, cycles=args.cycles, host=args.host,
+                        base_port=args.base_port,
                         costs=ReplanCosts(args.move_cost, args.restart_cost),
                         apply=ApplyOptions(server_cmd=args.server_cmd, adapter_dir=args.adapter_dir,
                                            retries=args.retries, log_dir=Path(args.out) / "logs"))

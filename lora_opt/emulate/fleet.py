@@ -310,7 +310,8 @@ async def _until_started(servers, tasks) -> None:
 
 async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: str = "warning",
                 ready=None, stop: asyncio.Event | None = None, router: tuple | None = None) -> None:
-    """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set); ``ready``:
+    """Serve every instance on this loop until SIGINT/SIGTERM (or ``stop`` is set, or -- no router -- every
+    instance was shut down by ``POST /emulator/shutdown``); ``ready``:
     called once every server listens.  ``router``: (host, port, :class:`RouteTable`) of a front
     that forwards to the instances (``lora_opt.emulate.router``; :func:`front`)."""
     stop = stop or asyncio.Event()
@@ -346,7 +347,14 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     if not failed and ready is not None:
         ready()
     if not failed:
-        await stop.wait()
+        if router is None and n_inst:       # every instance shut down (POST /emulator/shutdown): the process ends
+            done = asyncio.ensure_future(asyncio.wait(tasks[:n_inst]))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for t in (done, stopped):
+                t.cancel()
+        else:
+            await stop.wait()
     if scraping is not None:
         scraping.cancel()
     for s in servers:

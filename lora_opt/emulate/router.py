@@ -36,7 +36,7 @@ from http import HTTPStatus
 import numpy as np
 
 from lora_opt.emulate.request_validation import APIError
-from lora_opt.emulate.router_health import EndpointHealth, check_forever
+from lora_opt.emulate.router_health import EndpointHealth, check_forever, next_engine
 from lora_opt.emulate.router_metrics import RouterMetrics, usage_of
 from lora_opt.errors import InputError
 from lora_opt.placement.router_config import HealthChecks
@@ -495,10 +495,10 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
 
     async def route(request: Request, suffix: str, raw: bytes, model: str | None, started):
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-        tried, refused = [], None           # instances whose connection failed: the request never reached them
+        tried, refused, give_up = [], None, time.monotonic() + table.health.checks.retry_for_s
         while True:
             try:
-                engine = table.pick_engine(model, exclude=tried)
+                engine = await next_engine(table, request, model, tried, give_up)
             except APIError as e:
                 return error(refused or e)      # the last instance's own failure says more than "none left"
             endpoint = table.endpoints[engine]

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import time
 
-from lora_opt.placement.router_config import HealthChecks
+from lora_opt.emulate.request_validation import APIError
+from lora_opt.placement.router_config import RETRY_BACKOFF_S, HealthChecks
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +141,20 @@ async def _check_rounds(table, client) -> None:
             log.exception("router health checks: a round failed")    # would leave every instance "healthy")
         health.rounds += 1
         await asyncio.sleep(checks.interval_s)
+
+
+async def next_engine(table, request, model: str | None, tried: list, give_up: float) -> int:
+    """The instance for a request's next try among those not ``tried``; when none is left (each refused it:
+    it was never sent) the whole choice again every :data:`RETRY_BACKOFF_S` until ``give_up`` (monotonic
+    seconds; an instance launched again meanwhile serves it), then ``table.pick_engine``'s error (a 499 when
+    the client went away while its request waited)."""
+    while True:
+        try:
+            return table.pick_engine(model, exclude=tried)
+        except APIError:
+            if time.monotonic() + RETRY_BACKOFF_S > give_up:
+                raise
+        await asyncio.sleep(RETRY_BACKOFF_S)
+        if await request.is_disconnected():
+            raise APIError(499, "the client went away while its request waited for an instance", "ClientClosed")
+        tried.clear()

@@ -104,11 +104,14 @@ class Prometheus:
             raise InputError(f"--prometheus: {where} did not answer JSON: is {self.url} a Prometheus server?") from None
         if not isinstance(body, dict) or body.get("status") != "success":
             error = body.get("error") if isinstance(body, dict) else body
-            raise InputError(f"--prometheus: {where}: {error}")
+            kind = body.get("errorType") if isinstance(body, dict) else None
+            raise InputError(f"--prometheus: {where} refused {params.get('query') or 'the request'!r}: "
+                             f"{kind + ': ' if kind else ''}{error}")
         return body.get("data") or {}
 
     def query(self, promql: str, at: float) -> list[tuple[dict, float]]:
-        """(labels, value) of an instant query's vector (a scalar: one row with no labels)."""
+        """(labels, value) of an instant query's vector (a scalar: one row with no labels); a query Prometheus
+        refuses (a PromQL error: ``bad_data``; a timeout) is an :class:`InputError` naming it and why."""
         data = self.get("/api/v1/query", query=promql, time=f"{at:.3f}")
         if data.get("resultType") == "scalar":
             return [({}, float(data["result"][1]))]

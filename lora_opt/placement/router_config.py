@@ -51,6 +51,10 @@ ROUTER_CONFIGS = ("gateway", *(f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES)
 POOL_LABEL = "lora-opt.io/pool-{k}"
 
 
+#: seconds between two tries of a request that reached no instance (:attr:`HealthChecks.retry_for_s`)
+RETRY_BACKOFF_S = 0.5
+
+
 @dataclass(frozen=True)
 class HealthChecks:
     """How a router finds dead instances and takes them back: ``lora-opt emulate``'s router
@@ -68,9 +72,14 @@ class HealthChecks:
     """Passed checks in a row that re-admit an ejected instance."""
     endpoint: str = "/health"
     """The path checked, under the instance's root (its URL without ``/v1``): vLLM's ``/health``."""
+    retry_for_s: float = 0.0
+    """Seconds a request that reached no instance (every one of its adapter's refused the connection, or none
+    is routed) is tried again, every :data:`RETRY_BACKOFF_S`, before the router answers it with an error: an
+    instance relaunched within this time serves it.  0: answered at once.  A request sent to an instance is
+    never tried again."""
 
     def __post_init__(self):
-        for name, lo in (("interval_s", 0.0), ("timeout_s", 0.001)):
+        for name, lo in (("interval_s", 0.0), ("timeout_s", 0.001), ("retry_for_s", 0.0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
                 raise InputError(f"health checks: {name} must be a finite number >= {lo:g}, got {v!r}")
