@@ -83,6 +83,24 @@ def test_a_doubled_rate_adds_gpus_and_moves_only_what_must_move(placed):
     _check_transition(r.plan)
 
 
+def test_pinned_adapters_stay_where_they_run_while_others_relieve_their_gpu(placed):
+    """operate's held adapters (their load failed): the doubled demand sheds the hottest first; pinned, the
+    hottest of each overloaded GPU stays and colder ones move instead; no from-scratch candidate."""
+    wl, policy, ctx, p = placed
+    wl2 = _workload(2.0)
+    free = replan(p, wl2, policy, ctx)
+    moved = sorted((a.id for a in wl2.adapters if _holders(free.placement, a.id) != _holders(p, a.id)),
+                   key=lambda aid: -next(a.rate for a in wl2.adapters if a.id == aid))
+    assert moved
+    pinned = frozenset(moved[:3])
+    r = replan(p, wl2, policy, ctx, pinned=pinned, restarts=False)
+    assert {c.name for c in r.candidates} == {"incremental"}
+    for aid in pinned:                                          # where they ran (kept instances keep their index)
+        assert _holders(r.placement, aid) == _holders(p, aid)
+    assert not {s["adapter"] for s in _steps(r.plan, "load")} & pinned
+    assert r.plan["starving_at_start"] and len(r.placement.gpus) > len(p.gpus)
+
+
 def test_loads_come_before_the_switch_and_unloads_after(placed):
     wl, policy, ctx, p = placed
     r = replan(p, _workload(1.6), policy, ctx)

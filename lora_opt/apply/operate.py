@@ -7,8 +7,9 @@ fleet.
 Before each cycle, and every ``reconcile_s`` between cycles, the fleet is reconciled to the placement it
 should run (:mod:`lora_opt.apply.reconcile`): a dead instance launched again, a router restarted from an
 old file given its table back, what a plan cut short left (adapters loaded, instances launched) undone.
-An adapter whose load failed in a plan (its path does not load) is held back: later plans that would load
-it are not carried out (said in the cycle's row), the fleet keeps serving it where it runs.  After each
+An adapter whose load failed in a plan (its path does not load) is held: later replans keep it where it
+runs (``replan``'s ``pinned``), and a plan that would still load it is not carried out (said in the cycle's
+row).  After each
 cycle the fleet is observed again and what still differs is written (``differences``; empty when it is
 the placement).  ``router.json`` in the output folder is the running placement's router table, rewritten
 when it changes: a router restarted from it (``lora-opt emulate --routes OUT/router.json``) routes as the
@@ -216,8 +217,10 @@ class Operator:
         row["demand_requests"] = round(demand.requests, 3)
         wl = dataclasses.replace(wl, name=f"operate-{self.cycle:04d}")
         ctx = PlacementContext.for_workload(wl, None)
+        # held adapters stay where they run (pinned), and no instance running one is launched anew (a restart
+        # would start it with that adapter on its command line, which vLLM refuses to start with)
         r = replan(self.current, wl, self.policy, ctx, costs=self.cfg.costs, host=self.cfg.host,
-                   base_port=self.cfg.base_port)
+                   base_port=self.cfg.base_port, pinned=frozenset(self.held), restarts=not self.held)
         row["gpus_planned"] = r.placement.meta.get("gpus_used")
         act, row["why"] = decide(self.current, r.placement, r.plan.get("starving_at_start") or [])
         written = []

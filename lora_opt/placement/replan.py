@@ -251,9 +251,10 @@ def _largest(test, nmax: int) -> int:
     return found[0] if found else 0
 
 
-def _shed(it: Instance, wl: Workload, judge: GPUJudge, restart: bool = False) -> list[int]:
+def _shed(it: Instance, wl: Workload, judge: GPUJudge, restart: bool = False, pinned=frozenset()) -> list[int]:
     """Make ``it`` pass by shedding its hottest adapters, as few as the test allows (under its own
-    flags, or with ``restart`` under the policy's flags for what it keeps); the shed ones."""
+    flags, or with ``restart`` under the policy's flags for what it keeps); the shed ones.  ``pinned``
+    (adapter ids) are never shed: the others go first, hottest first."""
     fits = [p for p in it.adapters if wl.adapters[p[0]].rank <= it.cfg.max_lora_rank]
     out = [i for i, _ in it.adapters if wl.adapters[i].rank > it.cfg.max_lora_rank]
     it.adapters = fits
@@ -261,10 +262,11 @@ def _shed(it: Instance, wl: Workload, judge: GPUJudge, restart: bool = False) ->
     if cfg is not None:
         it.cfg = cfg
         return out
-    hottest = sorted(range(len(fits)), key=lambda j: -wl.adapters[fits[j][0]].rate)
+    hottest = sorted((j for j in range(len(fits)) if wl.adapters[fits[j][0]].id not in pinned),
+                     key=lambda j: -wl.adapters[fits[j][0]].rate)
 
     def keep(m: int) -> list[tuple[int, float]]:
-        drop = set(hottest[:len(fits) - m])
+        drop = set(hottest[:max(0, len(fits) - m)])
         return [p for j, p in enumerate(fits) if j not in drop]
 
     m = _largest(lambda m: judge.flags(keep(m), it.cfg, restart) is not None, len(fits) - 1)
@@ -335,12 +337,14 @@ def count_moves(start: list[Instance], target: list[Instance], retired: list) ->
 
 
 def incremental(start: list[Instance], pending: list[int], retired, wl: Workload, policy: GreedyPlus, ctx,
-                judge: GPUJudge, costs: ReplanCosts, consolidate: bool, restart: bool = False) -> Candidate:
-    """The ``incremental`` candidate, or with ``restart`` the ``incremental-restart`` one."""
+                judge: GPUJudge, costs: ReplanCosts, consolidate: bool, restart: bool = False,
+                pinned=frozenset()) -> Candidate:
+    """The ``incremental`` candidate, or with ``restart`` the ``incremental-restart`` one; ``pinned``
+    adapters stay on the instances that run them (never shed, their instances never emptied)."""
     insts = [dataclasses.replace(it, adapters=list(it.adapters)) for it in start]
     pending = list(pending)
     for it in insts:
-        pending += _shed(it, wl, judge, restart)
+        pending += _shed(it, wl, judge, restart, pinned)
     insts = [it for it in insts if it.adapters]        # emptied instances stop
     pending = _fill(insts, pending, wl, judge, restart)
     names = _fresh_names({it.name for it in start})
@@ -349,7 +353,7 @@ def incremental(start: list[Instance], pending: list[int], retired, wl: Workload
     _count(cand, start, retired)
     fails = 0
     while consolidate and fails < CONSOLIDATE_TRIES and len(cand.instances) > 1:
-        trial = _emptied(cand, wl, judge, fails, restart)
+        trial = _emptied(cand, wl, judge, fails, restart, pinned)
         if trial is None:
             fails += 1
             continue
@@ -369,11 +373,13 @@ def _restarts_as_launches(cand: Candidate, start: list[Instance], names) -> Cand
     return cand
 
 
-def _emptied(cand: Candidate, wl: Workload, judge: GPUJudge, skip: int, restart: bool = False) -> Candidate | None:
-    """``cand`` with its (skip+1)-th lightest instance's adapters moved into the others, or None."""
+def _emptied(cand: Candidate, wl: Workload, judge: GPUJudge, skip: int, restart: bool = False,
+             pinned=frozenset()) -> Candidate | None:
+    """``cand`` with its (skip+1)-th lightest instance's adapters moved into the others, or None (also for
+    an instance running a ``pinned`` adapter)."""
     load = [sum(wl.adapters[i].rate * w for i, w in it.adapters) for it in cand.instances]
     j = int(np.argsort(load, kind="stable")[skip]) if skip < len(load) else None
-    if j is None or any(w != 1.0 for _, w in cand.instances[j].adapters):
+    if j is None or any(w != 1.0 or wl.adapters[i].id in pinned for i, w in cand.instances[j].adapters):
         return None
     others = [dataclasses.replace(it, adapters=list(it.adapters)) for k, it in enumerate(cand.instances) if k != j]
     if _fill(others, [i for i, _ in cand.instances[j].adapters], wl, judge, restart):
@@ -433,10 +439,12 @@ class Replan:
 def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: ReplanCosts = ReplanCosts(),
            consolidate: bool = True, restarts: bool = True, scratch: bool = True,
            scratch_p: Placement | None = None,
-           host: str = "127.0.0.1", base_port: int = 8000) -> Replan:
+           host: str = "127.0.0.1", base_port: int = 8000, pinned=frozenset()) -> Replan:
     """Re-place ``current`` for ``wl`` (see the module docstring).  ``restarts``: also the
     ``incremental-restart`` candidate.  ``scratch_p``: the policy's placement of ``wl`` from scratch
-    when the caller has it (``schedule`` compares it too)."""
+    when the caller has it (``schedule`` compares it too).  ``pinned``: adapter ids that must stay where
+    they run (``operate``'s adapters whose load failed): the incremental candidates keep them in place,
+    the from-scratch one is not built."""
     if not isinstance(policy, GreedyPlus):
         raise InputError(f"replan: policy {policy.name!r} has no GPU test for a given adapter set; use greedy-plus")
     if ctx.history is not None:
@@ -452,9 +460,9 @@ def replan(current: Placement, wl: Workload, policy: GreedyPlus, ctx, *, costs: 
                          ttft_p99_s=policy.ttft_p99_s, max_adapters=policy.max_adapters,
                          criterion=policy.criterion)
     start, retired, pending = current_state(current, wl)
-    cands = [incremental(start, pending, retired, wl, policy, ctx, judge, costs, consolidate, restart)
+    cands = [incremental(start, pending, retired, wl, policy, ctx, judge, costs, consolidate, restart, pinned)
              for restart in ((False, True) if restarts else (False,))]
-    if scratch:
+    if scratch and not pinned:
         cands.append(from_scratch(start, retired, wl, scratch_p or scratch_placement(wl, policy, ctx)))
     feasible = [c for c in cands if not c.unplaceable] or cands
     best = min(feasible, key=lambda c: c.key(costs))
