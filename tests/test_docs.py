@@ -266,6 +266,9 @@ NOT_RUN_HERE = {
     "ingest validation/ --label h100-run1 --out rows.csv": "needs a validate directory; tests/test_validate.py ingests one",
     "ingest validation/ --out rows.csv": "needs a validate directory; tests/test_validate.py ingests one",
     "fidelity --runs rows.csv": "needs ingested rows; tests/test_validate.py",
+    "fidelity --out experiments/fidelity --before experiments/fidelity/before/summary.json":
+        "replays all 445 real runs (~2 min) and rewrites the committed report; tests/test_fidelity.py runs fidelity "
+        "on a small family and tests/test_residuals.py the before / after table",
     "place --workload example --gpus 4 --confidence 0.99":
         "tests/test_confidence.py runs it beside the default confidence (it needs one GPU more)",
     "evaluate outputs/placement-example --confidence 0.9":

@@ -315,7 +315,8 @@ def test_pre_draw_certificate_fires_near_the_cap_and_is_sound(small, lengths):
 @given(n_seqs=st.integers(1, 512), extra_tokens=st.integers(0, 4096), ctx=st.integers(0, 400_000),
        n_distinct=st.integers(0, 300), max_loras=st.integers(1, 384), rank=st.sampled_from([8, 16, 32, 64]),
        profile=st.sampled_from(["llama-3.1-8b-h100-64gb", "qwen-2.5-7b-h100-64gb", "llama-2-7b-h100-64gb",
-                                "tests/data/profile-0.33.yaml", "tests/data/profile-cpu-knee.yaml"]))
+                                "tests/data/profile-0.33.yaml", "tests/data/profile-cpu-knee.yaml",
+                                "tests/data/profile-additive.yaml"]))
 def test_engine_step_time_is_the_profile_step_model(n_seqs, extra_tokens, ctx, n_distinct, max_loras, rank,
                                                      profile):
     """The Numba kernel's step time and ``LatencySpec.model_ms`` + ``scheduler_ms`` (the one

@@ -38,7 +38,10 @@ def test_fidelity_cli_small_family(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["n_runs"] >= 5
     assert (out / "report.md").exists() and (out / "predicted_vs_real.png").exists()
-    assert "SMAPE" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "SMAPE" in report and "## Where the error lives" in report and "## Fitted on / reported on" in report
+    assert (out / "residuals.png").exists()
+    assert "regret" in summary["max_pack"]
 
 
 def test_fidelity_unknown_family_is_a_clear_error(tmp_path):

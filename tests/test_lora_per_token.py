@@ -84,18 +84,22 @@ def test_the_step_model_adds_token_ms_per_token_of_a_step_with_an_adapter():
         assert per_token.model_ms(n_seqs, n_tokens, 500, 0, 32, 2) == plain.model_ms(n_seqs, n_tokens, 500, 0, 32, 2)
 
 
-def test_gpu_profiles_keep_the_factor_form_and_write_as_before():
-    assert {m.lora_cost for k, m in MODELS.items() if k != "probe-llama"} == {"factor"}
+def test_gpu_profiles_have_no_per_token_knee():
+    """The GPU profiles price LoRA as a factor (Llama-2) or additively (Llama-3.1, Qwen: issue 36), never with the
+    CPU build's knee; only the CPU tier's model entry is per_token."""
+    assert {m.lora_cost for k, m in MODELS.items() if k != "probe-llama"} <= {"factor", "additive"}
     assert MODELS["probe-llama"].lora_cost == "per_token"
-    for name in ("llama-3.1-8b-h100-64gb", "qwen-2.5-7b-h100-64gb"):
+    for name in ("llama-3.1-8b-h100-64gb", "qwen-2.5-7b-h100-64gb", "llama-2-7b-h100-64gb"):
         d = profile_to_dict(load_profile(name))
-        assert all("token_ms" not in e and "token_ms_above" not in e for e in d["latency"]["lora"].values())
+        assert all("token_ms_above" not in e and "prefill_knee_tokens" not in e for e in d["latency"]["lora"].values())
+    d = profile_to_dict(load_profile("llama-2-7b-h100-64gb"))
+    assert all("token_ms" not in e and "form" not in e for e in d["latency"]["lora"].values())
 
 
 def test_a_model_entry_with_an_unknown_lora_cost_is_refused(tmp_path):
     bad = tmp_path / "models.yaml"
     bad.write_text(MODEL_TABLE_PATH.read_text().replace("lora_cost: per_token", "lora_cost: gather"))
-    with pytest.raises(InputError, match=r"lora_cost: 'gather'; allowed: \['factor', 'per_token'\]"):
+    with pytest.raises(InputError, match=r"lora_cost: 'gather'; allowed: \['factor', 'per_token', 'additive'\]"):
         load_model_table(bad)
 
 
@@ -142,4 +146,4 @@ def test_the_step_model_adds_step_ms_once_to_a_step_with_an_adapter():
             == pytest.approx(4.5)
         assert lat.model_ms(n_seqs, n_tokens, 1000, 0, 8, 4) == without.model_ms(n_seqs, n_tokens, 1000, 0, 8, 4)
     # a profile without it writes as before: the field is left out at its default
-    assert all("step_ms" not in spec for spec in profile_to_dict(load_profile("llama-3.1-8b-h100-64gb"))["latency"]["lora"].values())
+    assert all("step_ms" not in spec for spec in profile_to_dict(load_profile("llama-2-7b-h100-64gb"))["latency"]["lora"].values())

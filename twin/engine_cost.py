@@ -20,8 +20,9 @@ def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, l
     The LoRA factor multiplies the per-sequence (decode-like) part; prefill tokens beyond one per
     sequence pay ``lora_prefill_share`` of the extra cost (``lora_prefill_share_above`` in a step of
     more than ``lora_prefill_knee`` tokens); every token of a step with an adapter pays ``lora_token_ms``
-    (``lora_token_ms_above`` each beyond the knee: vLLM's CPU build's per-token adapter gather) and
-    ``lora_step_ms`` once."""
+    (``lora_token_ms_above`` each beyond the knee: vLLM's CPU build's per-token adapter gather),
+    ``lora_step_ms`` once (its slots' share included), ``lora_adapter_ms`` per distinct adapter and
+    ``lora_seq_ms`` per sequence (the additive form, ``twin.profile.LoraOverheadSpec``)."""
     decode = lat.base_ms + lat.per_seq_ms * n_seqs + lat.per_ctx_ktoken_ms * ctx / 1000.0
     prefill = lat.per_token_ms * (n_tokens - n_seqs)
     if n_distinct > 0:
@@ -29,7 +30,7 @@ def step_seconds(lat, n_seqs, n_tokens, ctx, n_distinct, n_running, n_scanned, l
         share = _prefill_share(lat.lora_prefill_share, lat.lora_prefill_share_above, lat.lora_prefill_knee, n_tokens)
         model = decode * (1.0 + extra) + prefill * (1.0 + share * extra)
         model += _token_cost(lat.lora_token_ms, lat.lora_token_ms_above, lat.lora_prefill_knee, n_tokens)
-        model += lat.lora_step_ms
+        model += lat.lora_step_ms + lat.lora_adapter_ms * n_distinct + lat.lora_seq_ms * n_seqs
     else:
         model = decode + prefill
     sched = lat.sched_base_ms + lat.sched_per_running_ms * n_running + lat.sched_per_waiting_ms * n_scanned

@@ -46,7 +46,8 @@ _CONFIG_TYPES = ([types.int64] * 7 + [types.boolean, types.boolean, types.int64,
 Latency = namedtuple("Latency", [
     "base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms", "lora_jump", "lora_slope",
     "lora_nsat", "lora_prefill_share", "sched_base_ms", "sched_per_running_ms", "sched_per_waiting_ms",
-    "lora_prefill_knee", "lora_prefill_share_above", "lora_token_ms", "lora_token_ms_above", "lora_step_ms"])
+    "lora_prefill_knee", "lora_prefill_share_above", "lora_token_ms", "lora_token_ms_above", "lora_step_ms",
+    "lora_adapter_ms", "lora_seq_ms"])
 """The profile's step-time estimators (ms); see ``twin.engine_cost``."""
 
 EarlyStop = namedtuple("EarlyStop", [

@@ -28,6 +28,16 @@ from twin.paths import bundled_names, resolve_bundled
 GIB = 1024**3
 MIB = 1024**2
 
+#: How a profile prices LoRA (``LoraOverheadSpec.form``): ``factor`` = the papers' factor on the step (plus the
+#: CPU build's per-token terms), ``additive`` = ms per step, slot, distinct adapter, sequence and token, no factor.
+LORA_FORMS = ("factor", "additive")
+
+#: How a profile prices a ``max_lora_rank`` it has no entry for (``LatencySpec.lora_rank_rule``): the nearest
+#: rank's entry, or every cost term linear in the rank through the two nearest entries.
+LORA_RANK_RULES = ("nearest", "linear")
+#: the LoRA terms ``linear`` interpolates (and extrapolates, never below 0)
+_RANK_LINEAR_FIELDS = ("jump", "slope", "step_ms", "slot_ms", "adapter_ms", "seq_ms", "token_ms")
+
 #: Which requests define the "LoRA set" the scheduler's gate compares with ``max_loras``.
 #: 0.8.5 used the adapters of requests *scheduled* in this step; 0.33 uses all *running* requests.
 LORA_SET_RULES = ("scheduled", "running")
@@ -138,8 +148,9 @@ def lora_token_cost(token_ms, token_ms_above, knee_tokens, n_tokens):
 
 @dataclass(frozen=True)
 class LoraOverheadSpec:
-    """Cost of LoRA kernels on the forward pass: a factor on the step (the papers' form, a GPU's) and a
-    cost per token (vLLM's CPU build's).
+    """Cost of LoRA kernels on the forward pass, in one of two forms (``form``).
+
+    ``factor`` (the papers' form, plus vLLM's CPU build's cost per token):
 
     ``extra(n, A) = jump * (1 - slot_share + slot_share * A / ref_max_loras)
     + slope * n / (1 + n / n_sat)`` for n >= 1 distinct adapters in the batch and A = max_loras
@@ -147,6 +158,11 @@ class LoraOverheadSpec:
     prefill tokens by ``1 + prefill_share * extra`` (``prefill_share_above`` in a step of more than
     ``prefill_knee_tokens`` tokens).  ``n_sat = inf`` is the papers' linear model.  A step with an
     adapter also pays ``token_ms`` per token it carries (``token_ms_above`` for each beyond the knee).
+
+    ``additive`` (the H100 profiles since issue 36): no factor; a step with an adapter pays
+    ``step_ms + slot_ms * A + adapter_ms * n + seq_ms * sequences + token_ms * tokens`` ms -- fitted on the
+    end-to-end fit half, where the factor form priced a 1-sequence step's LoRA 1.5x and a 60-sequence step's
+    0.6x what the real runs show (``lora_opt.calibration.additive_fit``).
     """
 
     jump: float
@@ -174,7 +190,7 @@ class LoraOverheadSpec:
     its size: vLLM's CPU build gathers one copy of the adapter's matrices per token, so its LoRA cost
     grows with the step's tokens and the rank, and a factor on the step (``jump``) prices a small batch
     several times too high (measured: issue 24, ``experiments/real_validation/cpu/REPORT.md``).  0 =
-    the factor form only (every GPU profile)."""
+    the factor form only."""
     token_ms_above: float | None = None
     """LoRA ms of each token of a step beyond its first ``prefill_knee_tokens`` (None = ``token_ms``):
     the cost is continuous at the knee (:func:`lora_token_cost`)."""
@@ -183,6 +199,27 @@ class LoraOverheadSpec:
     its LoRA layers at rank 16 even at one sequence (measured: decode windows at 1-32 sequences, issue
     24), which per-token pricing fitted at 16 sequences puts on the tokens -- too little for one
     sequence, too much for forty.  0 = none (every GPU profile)."""
+    slot_ms: float = 0.0
+    """LoRA ms of a step that runs an adapter, per ``max_loras`` slot (the additive form: vLLM 0.8.5's
+    LoRA kernels are launched over every slot, used or not).  0 = none."""
+    adapter_ms: float = 0.0
+    """LoRA ms of a step per distinct adapter it runs (the additive form: each adapter's A and B matrices
+    are read once a step, whatever its batch).  The papers' factor form prices the same adapters in
+    proportion to the step's decode time instead (``slope``), which an H100 step of 1 or 600 sequences
+    does not show (issue 36: ``experiments/fidelity/report.md``).  0 = none."""
+    form: str = "factor"
+    """How LoRA is priced (of :data:`LORA_FORMS`): ``factor`` -- ``jump`` / ``slope`` multiply the step (the
+    papers' form); ``additive`` -- no factor (``jump`` and ``slope`` are kept as the estimator fitted them but
+    not used), only the ms terms below (``step_ms``, ``slot_ms``, ``adapter_ms``, ``seq_ms``, ``token_ms``)."""
+    seq_ms: float = 0.0
+    """LoRA ms per sequence of a step that runs an adapter (the additive form: a decode token's LoRA
+    cost beyond ``token_ms``, which every token pays; prefill tokens are compute-bound GEMMs where the
+    LoRA matrices cost relatively less).  0 = none."""
+
+    def fixed_ms_at(self, max_loras: int) -> float:
+        """LoRA ms of any step that runs an adapter, whatever its tokens and adapters: ``step_ms`` plus
+        ``slot_ms`` for each of ``max_loras`` slots."""
+        return self.step_ms + self.slot_ms * max_loras
 
     @property
     def token_above(self) -> float:
@@ -199,11 +236,21 @@ class LoraOverheadSpec:
     def prefill_share_at(self, n_tokens: int) -> float:
         return lora_prefill_share(self.prefill_share, self.share_above, self.prefill_knee_tokens, n_tokens)
 
+    def __post_init__(self):
+        if self.form not in LORA_FORMS:
+            raise ScenarioError(f"latency.lora.form: {self.form!r} not in {list(LORA_FORMS)}")
+
+    @property
+    def additive(self) -> bool:
+        return self.form == "additive"
+
     def jump_at(self, max_loras: int) -> float:
+        if self.additive:
+            return 0.0
         return self.jump * (1.0 - self.slot_share + self.slot_share * max_loras / self.ref_max_loras)
 
     def extra(self, n_adapters: int, max_loras: int) -> float:
-        if n_adapters <= 0:
+        if n_adapters <= 0 or self.additive:
             return 0.0
         return lora_extra(self.jump_at(max_loras), self.slope, self.n_sat, n_adapters)
 
@@ -234,13 +281,33 @@ class LatencySpec:
     sched_per_waiting_ms: float = 0.0
     """Scheduler time per waiting request the admission loop visits (vLLM's Python scheduler walks
     the waiting queue past every request the LoRA gate skips)."""
-    """Waiting requests beyond this add no scheduler time."""
+    lora_rank_rule: str = "nearest"
+    """How a ``max_lora_rank`` without a ``lora`` entry is priced (of :data:`LORA_RANK_RULES`): ``nearest`` -- the
+    nearest rank's entry; ``linear`` -- each cost term (``jump``, ``slope`` and the additive form's ms) on the
+    line through the two nearest ranks' entries (beyond the last, extrapolated; never below 0)."""
+
+    def __post_init__(self):
+        if self.lora_rank_rule not in LORA_RANK_RULES:
+            raise ScenarioError(f"latency.lora_rank_rule: {self.lora_rank_rule!r} not in {list(LORA_RANK_RULES)}")
 
     def lora_for_rank(self, max_lora_rank: int) -> LoraOverheadSpec:
         if not self.lora:
             return LoraOverheadSpec(0.0, 0.0)
-        best = min(self.lora, key=lambda r: (abs(r - max_lora_rank), r))
-        return self.lora[best]
+        if max_lora_rank in self.lora:
+            return self.lora[max_lora_rank]
+        by_distance = sorted(self.lora, key=lambda r: (abs(r - max_lora_rank), r))
+        nearest = self.lora[by_distance[0]]
+        if self.lora_rank_rule == "nearest" or len(self.lora) < 2:
+            return nearest
+        ranks = sorted(self.lora)
+        below = [r for r in ranks if r < max_lora_rank]
+        above = [r for r in ranks if r > max_lora_rank]
+        # the bracketing entries; outside the table, the two nearest at its end
+        r0, r1 = (below[-1], above[0]) if below and above else (ranks[:2] if above else ranks[-2:])
+        e0, e1 = self.lora[r0], self.lora[r1]
+        t = (max_lora_rank - r0) / (r1 - r0)
+        return dataclasses.replace(nearest, **{k: max(0.0, getattr(e0, k) + t * (getattr(e1, k) - getattr(e0, k)))
+                                               for k in _RANK_LINEAR_FIELDS})
 
     def model_ms(self, n_seqs: int, n_tokens: int, ctx_tokens: int, n_adapters: int,
                  max_lora_rank: int, max_loras: int) -> float:
@@ -250,7 +317,10 @@ class LatencySpec:
         decode = self.base_ms + self.per_seq_ms * n_seqs + self.per_ctx_ktoken_ms * ctx_tokens / 1000.0
         prefill = self.per_token_ms * (n_tokens - n_seqs)
         model = decode * (1.0 + extra) + prefill * (1.0 + lora.prefill_share_at(n_tokens) * extra)
-        return model + lora.step_ms + lora.token_cost(n_tokens) if n_adapters > 0 else model
+        if n_adapters <= 0:
+            return model
+        return (model + lora.fixed_ms_at(max_loras) + lora.adapter_ms * n_adapters + lora.seq_ms * n_seqs
+                + lora.token_cost(n_tokens))
 
     def scheduler_ms(self, n_running: int, n_scanned: int) -> float:
         return self.sched_base_ms + self.sched_per_running_ms * n_running + self.sched_per_waiting_ms * n_scanned
@@ -426,7 +496,7 @@ def profile_from_dict(d: dict, source: str = "") -> Profile:
 
 
 _KNEE_DEFAULTS = {"prefill_knee_tokens": math.inf, "prefill_share_above": None, "token_ms": 0.0, "token_ms_above": None,
-                  "step_ms": 0.0}
+                  "step_ms": 0.0, "slot_ms": 0.0, "adapter_ms": 0.0, "seq_ms": 0.0, "form": "factor"}
 
 
 def profile_to_dict(p: Profile) -> dict:
@@ -437,6 +507,8 @@ def profile_to_dict(p: Profile) -> dict:
     out["latency"]["lora"] = {int(r): {k: v for k, v in dataclasses.asdict(e).items()
                                        if not (k in _KNEE_DEFAULTS and v == _KNEE_DEFAULTS[k])}
                               for r, e in p.latency.lora.items()}
+    if p.latency.lora_rank_rule == "nearest":
+        del out["latency"]["lora_rank_rule"]
     return out
 
 

@@ -145,9 +145,9 @@ def kernel_latency(lat, max_lora_rank: int, max_loras: int) -> Latency:
     lora = lat.lora_for_rank(max_lora_rank)
     return Latency(
         lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lora.jump_at(max_loras),
-        lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
+        0.0 if lora.additive else lora.slope, lora.n_sat, lora.prefill_share, lat.sched_base_ms, lat.sched_per_running_ms,
         lat.sched_per_waiting_ms, lora.prefill_knee_tokens, lora.share_above, lora.token_ms, lora.token_above,
-        lora.step_ms)
+        lora.fixed_ms_at(max_loras), lora.adapter_ms, lora.seq_ms)
 
 
 def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray) -> np.ndarray | None:
@@ -163,11 +163,11 @@ def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray
     lora = lat.lora_for_rank(eng.max_lora_rank)
     coefs = (lat.base_ms, lat.per_seq_ms, lat.per_token_ms, lat.per_ctx_ktoken_ms, lat.sched_base_ms,
              lat.sched_per_running_ms, lat.sched_per_waiting_ms, lora.jump, lora.slope, lora.prefill_share,
-             lora.share_above, lora.token_ms, lora.token_above, lora.step_ms)
+             lora.share_above, lora.token_ms, lora.token_above, lora.step_ms, lora.slot_ms, lora.adapter_ms, lora.seq_ms)
     if min(coefs) < 0 or not (0.0 <= lora.slot_share <= 1.0):
         return None
     e = lora.extra(1, eng.max_loras)
-    slot = lat.per_seq_ms * (1.0 + e)
+    slot = lat.per_seq_ms * (1.0 + e) + lora.seq_ms
     # a step's prefill tokens pay one of two shares (the knee): the smaller one bounds from below
     tok = lat.per_token_ms * (1.0 + min(lora.prefill_share, lora.share_above) * e)
     i = in_len.astype(np.float64)
@@ -176,7 +176,9 @@ def least_work_s(lat, eng: EngineConfig, in_len: np.ndarray, out_len: np.ndarray
     processed = i + dec
     ms = (slot * o + tok * (i - 1.0)) if slot >= tok else slot * processed
     ms = ms + (1.0 + e) * lat.per_ctx_ktoken_ms / 1000.0 * (dec * i + dec * (dec - 1.0) / 2.0)
-    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms + lora.step_ms) * processed / eng.max_num_batched_tokens
+    # a step's fixed LoRA ms, and at least one adapter's
+    lora_fixed = lora.fixed_ms_at(eng.max_loras) + lora.adapter_ms
+    ms = ms + (lat.base_ms * (1.0 + e) + lat.sched_base_ms + lora_fixed) * processed / eng.max_num_batched_tokens
     # every token it puts in a step pays the per-token LoRA cost (the cheaper side of the knee)
     ms = ms + min(lora.token_ms, lora.token_above) * processed
     return ms / 1000.0

@@ -37,6 +37,7 @@ import yaml
 from scipy.optimize import nnls
 
 from lora_opt.calibration import realruns
+from lora_opt.calibration.additive_fit import fit_estimator_rank, fit_on_replay
 from lora_opt.calibration.e2e_params import with_e2e_params
 from lora_opt.calibration.model_table import FIT_HALF, MODELS  # FIT_HALF: also the CLI's list of --model values
 from lora_opt.calibration.profile_io import header_of, write_profile
@@ -44,6 +45,7 @@ from lora_opt.calibration.replay import replay_with_profile, select_runs
 from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.smape import smape
 from twin.errors import ScenarioError
+from twin.profile import profile_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,8 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
             f"{obj['throughput_smape']:.1f} %, ITL {obj['itl_mean_smape']:.1f} %")
         return obj["loss"], res
 
+    if MODELS[model].lora_cost == "additive":
+        return _fit_additive(model, runs, fit_rows, report_rows, prof_path, header, base, tmp, workers, t0)
     # coordinate search: (V0) the step overhead at the profile's shares, slot_share at prefill_share
     # 0, then prefill_share at the best slot_share
     v0 = base.get("chunked_prefill") is False
@@ -159,6 +163,49 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
     }
     written = write_fitted_profile(prof_path, header, with_e2e_params(base, best_s, best_pf, frontend, best_so),
                                    record)
+    return {**record, "profile_written": written}
+
+
+def _fit_additive(model, runs, fit_rows, report_rows, prof_path, header, base, tmp, workers, t0) -> dict:
+    """``fit_model`` for a model priced by the additive LoRA form (``lora_opt.calibration.additive_fit``): its
+    constants fitted on the fit half (run-level fit, refined on the replay), then the front end's TTFT terms."""
+    trace = []
+    best = {"loss": np.inf, "res": None}
+
+    def loss_of(additive):
+        # no front-end terms in the replays (they add to TTFT only): fitted on the best one's TTFT, as the factor form's
+        res = replay_with_profile(fit_rows, with_e2e_params(base, None, None, additive=additive), tmp, workers)
+        obj = _objective(fit_rows, res)
+        trace.append({**{k: round(v, 6) for k, v in additive.items()}, **obj})
+        log.info(f"  {model}: additive {additive} -> throughput {obj['throughput_smape']:.1f} %, "
+                 f"ITL {obj['itl_mean_smape']:.1f} %")
+        if obj["loss"] < best["loss"]:
+            best.update(loss=obj["loss"], res=res)
+        return obj["loss"]
+
+    latency = profile_from_dict(base).latency
+    additive, refine = fit_on_replay(fit_rows, latency, loss_of)
+    best_loss = refine["best_loss"]
+    frontend = fit_frontend(fit_rows, best["res"])
+    # adapter_ms by rank: the fit half's ranks, and the estimator family's (rank 8) with the other constants kept
+    by_rank = {int(r): additive["adapter_ms"] for r in fit_rows["max_lora_rank"].dropna().unique()}
+    est_rank, est_adapter, est_record = fit_estimator_rank(runs, model, latency, additive)
+    if est_rank is not None and est_rank not in by_rank:
+        by_rank[est_rank] = est_adapter
+    record = {
+        "command": f"lora-opt calibrate-e2e --model {model}",
+        "fit_half": FIT_HALF[model], "fit_runs": int(len(fit_rows)), "report_runs": int(len(report_rows)),
+        "params": {"slot_share": None, "prefill_share": None, "ttft_frontend_ms": frontend[0],
+                   "ttft_frontend_per_running_ms": frontend[1], "step_overhead_ms": 0.0, "additive": additive,
+                   "adapter_ms_by_rank": dict(sorted(by_rank.items()))},
+        "lora_form": "additive", "additive_fit": refine, "estimator_rank_fit": est_record,
+        "objective": "mean of throughput and mean-ITL SMAPE on the fit half",
+        "fit_half_loss": best_loss, "search": trace,
+        "observed_inflight_cap_fit_half": observed_inflight_cap(fit_rows),
+        "wall_s": time.perf_counter() - t0,
+    }
+    prof = with_e2e_params(base, None, None, frontend, 0.0, additive, by_rank)
+    written = write_fitted_profile(prof_path, header, prof, record)
     return {**record, "profile_written": written}
 
 

@@ -23,6 +23,8 @@ import numpy as np
 from lora_opt.calibration import realruns
 from lora_opt.calibration.model_table import FIT_HALF
 from lora_opt.calibration.replay import select_runs, simulate_runs
+from lora_opt.calibration.residuals import (markdown_table, max_pack_regret, regret_summary, residual_plot,
+                                            signed_error_table)
 from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.smape import smape
@@ -227,15 +229,58 @@ def targets_table(summary: dict, variant: str) -> list[str]:
     return lines
 
 
+#: the regimes the residual tables split each model and half by (columns of ``residuals.with_regimes``)
+RESIDUAL_SPLITS = (["load"], ["load", "running"], ["slots"])
+
+
+def residual_lines(df, variant: str) -> list[str]:
+    """The report's section on where the error lives (``lora_opt.calibration.residuals``)."""
+    lines = ["## Where the error lives", "",
+             "Median signed error of the twin (`(twin - real) / real`, %; negative = too slow for throughput, "
+             "too fast for ITL and TTFT) and SMAPE in brackets, per model, half and regime: `light` = no queue "
+             "in the real run (mean waiting < 1), `queued` otherwise; `running` = the real run's mean running "
+             "requests; `slots` = `max_loras`. Plot: `residuals.png`.", ""]
+    for by in RESIDUAL_SPLITS:
+        lines += [f"### by {' and '.join(by)}", ""] + markdown_table(signed_error_table(df, variant, by), by) + [""]
+    return lines
+
+
+def provenance_lines(models) -> list[str]:
+    """Which constants of each model's bundled profile were fitted on which runs, and which runs the report's
+    headline is on (the profiles' ``fit`` records)."""
+    import yaml
+
+    lines = ["## Fitted on / reported on", "",
+             "| model | LoRA form | estimator families (`lora-opt calibrate`) | end-to-end constants (`lora-opt "
+             "calibrate-e2e`) | fitted on | reported on |", "|---|---|---|---|---|---|"]
+    for m in sorted(models):
+        path = realruns.PROFILES_DIR / f"{realruns.MODEL_PROFILES[m]}.yaml"
+        fit = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("fit") or {}
+        e2e = fit.get("e2e") or {}
+        params = e2e.get("params") or {}
+        # a V1 profile's step overhead is not searched (0.0); a dict is the additive form's constants
+        consts = sorted(f"{k} ({', '.join(str(x) for x in v)})" if isinstance(v, dict) else k for k, v in params.items()
+                        if v is not None and not (k == "step_overhead_ms" and v == 0.0))
+        est = e2e.get("estimator_rank_fit") or {}
+        extra = (f"; rank-{est['rank']} `adapter_ms` on `{est['family'].rsplit('/', 2)[-2]}` (SMAPE {est['itl_smape']:.1f} %)"
+                 if est.get("rank") else "")
+        lines.append(f"| {m} | {e2e.get('lora_form', 'factor')} | {', '.join(sorted(fit.get('estimators') or {}))} | "
+                     f"{', '.join(consts)}{extra} | experiments containing `{e2e.get('fit_half', '-')}` "
+                     f"({e2e.get('fit_runs', 0)} runs) | the others ({e2e.get('report_runs', 0)} runs) |")
+    return lines + [""]
+
+
 def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) -> Path:
     variants = summary["variants"]
     lines = ["# Twin fidelity against real vLLM runs", "",
              "**Fit half / report half.** The profiles' estimators are fitted on the estimator families "
-             "only. Four constants that no estimator family identifies (LoRA slot share, LoRA prefill "
-             "share, front-end TTFT terms; for vLLM 0.5.0 also a fixed CPU time per step) are fitted by "
+             "only. The constants no estimator family identifies (the front end's TTFT terms; for the papers' "
+             "factor form the LoRA slot and prefill shares, for the additive form its ms per step, slot, "
+             "adapter and token; for vLLM 0.5.0 also a fixed CPU time per step) are fitted by "
              "`lora-opt calibrate-e2e` on the *fit half* of "
              "the end-to-end workloads (Llama-3.1 and Qwen: the rank-16 families; Llama-2: the "
-             "rate-0.0125 families). The headline numbers are on the *report half*, which no fit saw.", "",
+             "rate-0.0125 families). The headline numbers are on the *report half*, which no fit saw; "
+             "\"Fitted on / reported on\" below lists each model's.", "",
              f"Command: `{summary['command']}`  ", f"Runs replayed: {summary['n_runs']} "
              f"({', '.join(f'{k}: {v}' for k, v in summary['runs_per_model'].items())}); "
              f"wall time {summary['wall_s']:.0f} s on {summary['workers']} worker(s).", "",
@@ -248,6 +293,8 @@ def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) ->
              "papers' quoted errors, which are on the half scale; the full scale is the BRIEF's. Both "
              "verdicts are shown; the published twin's column is on the full scale.", ""]
     lines += targets_table(summary, variants[0])
+    lines += [""] + (before_after_lines(summary) if "before" in summary else [])
+    lines += provenance_lines(df["model"].unique())
     lines += ["", "## SMAPE (%) per metric", ""]
     for gname, g in summary["smape"].items():
         lines += [f"### {gname} ({g['n_runs']} runs)", "",
@@ -261,15 +308,23 @@ def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) ->
                          f"{_fmt(e.get('peer'))} | {e.get('peer_runs', '')} | "
                          f"{'<= ' + str(TARGETS[name]) if name in TARGETS else ''} |")
         lines.append("")
+    lines += residual_lines(df, variants[0])
     lines += ["## Max_pack per workload (rho = 0.9)", "",
               "The served-adapter count with the highest throughput among non-starving runs; "
-              "`grid_steps_off` = how many tested counts apart the twin's choice is from the real one.", ""]
+              "`steps off` = how many tested counts apart the twin's choice is from the real one; regret = the "
+              "real throughput lost by deploying the twin's pick instead of the real one (% of the real pick's); "
+              "`starves` = the twin's pick starves the real server.", ""]
     if len(maxpack):
-        lines.append("| experiment | max_loras | real | ours | steps off |")
-        lines.append("|---|---|---|---|---|")
+        lines += ["| model, half | workloads | mean regret % | worst regret % | picks that starve | no pick |",
+                  "|---|---|---|---|---|---|"]
+        for k, v in summary["max_pack"]["regret"].items():
+            lines.append(f"| {k} | {v['workloads']} | {_fmt(v['mean_regret_pct'])} | {_fmt(v['worst_regret_pct'])} | "
+                         f"{v['starving_picks']} | {v['no_pick']} |")
+        lines += ["", "| experiment | max_loras | real | ours | steps off | regret % | starves |",
+                  "|---|---|---|---|---|---|---|"]
         for _, r in maxpack.iterrows():
             lines.append(f"| {r['experiment']} | {r['max_loras']} | {r['real_max_pack']} | {r['twin_max_pack']} | "
-                         f"{r['grid_steps_off']} |")
+                         f"{r['grid_steps_off']} | {_fmt(r['regret_pct'])} | {'yes' if r['twin_pick_starves_real'] else ''} |")
         exact = summary["max_pack"]
         lines += ["", f"Exact match {exact['exact']}/{exact['n']}, within one grid step "
                       f"{exact['within_one']}/{exact['n']}.", ""]
@@ -284,12 +339,51 @@ def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) ->
     return path
 
 
+def read_before(path: str | Path) -> dict:
+    """An earlier ``fidelity`` summary.json to compare with (``--before``); ScenarioError when it is not one."""
+    import json
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ScenarioError(f"--before {p}: not a readable fidelity summary.json ({exc})") from None
+    if not isinstance(data, dict) or "smape" not in data or "max_pack" not in data:
+        raise ScenarioError(f"--before {p}: not a fidelity summary.json (no 'smape' / 'max_pack')")
+    return {"source": str(p), "smape": data["smape"], "max_pack": data["max_pack"],
+            "variant": (data.get("variants") or ["sharegpt"])[0]}
+
+
+def before_after_lines(summary: dict) -> list[str]:
+    """Per model, the report half's target metrics and Max_pack regret: the ``--before`` summary's and this one's."""
+    before, variant = summary["before"], summary["variants"][0]
+    lines = ["## Before / after (report half)", "", f"Before: `{before['source']}` (the same command on the profiles "
+             "before this change). SMAPE % on the full scale; regret = Max_pack regret, % of real throughput.", "",
+             "| model | metric | before | after | target |", "|---|---|---|---|---|"]
+    for gname, g in summary["smape"].items():
+        if not gname.endswith(", report half"):
+            continue
+        old = before["smape"].get(gname, {})
+        for name, target in TARGETS.items():
+            lines.append(f"| {gname.removesuffix(', report half')} | {name} | "
+                         f"{_fmt((old.get(name) or {}).get(before['variant']))} | {_fmt(g[name][variant])} | <= {target} |")
+        was = (before["max_pack"].get("regret") or {}).get(gname, {})
+        now = summary["max_pack"]["regret"].get(gname, {})
+        for key, label, target in (("mean_regret_pct", "Max_pack mean regret", "<= 1.0"),
+                                   ("worst_regret_pct", "Max_pack worst regret", "<= 3.0"),
+                                   ("starving_picks", "picks that starve", "0")):
+            lines.append(f"| {gname.removesuffix(', report half')} | {label} | {_fmt(was.get(key))} | "
+                         f"{_fmt(now.get(key))} | {target} |")
+    return lines + [""]
+
+
 def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | None = None,
                  out_dir: str | Path = "outputs/fidelity", workers: int | None = None,
                  ray_address: str | None = None, variants: tuple[str, ...] = ("sharegpt", "mean"),
-                 command: str = "lora-opt fidelity") -> dict:
+                 command: str = "lora-opt fidelity", before: str | Path | None = None) -> dict:
     import pandas as pd  # heavy optional dependency: only when tables are built
 
+    before_summary = read_before(before) if before is not None else None
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -305,9 +399,10 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
     peer = pd.read_csv(realruns.PEER_TWIN_CSV)
     df = comparison_table(rows, results, peer)
     atomic_write_csv(out / "runs.csv", df, index=False)
-    maxpack = max_pack_table(df, variants[0])
+    maxpack = max_pack_regret(max_pack_table(df, variants[0]), df, RHO)
     atomic_write_csv(out / "max_pack.csv", maxpack, index=False)
-    plots = _scatter_plots(df, list(variants), out) + _curve_plots(df, variants[0], out)
+    plots = (_scatter_plots(df, list(variants), out) + [residual_plot(df, variants[0], out)]
+             + _curve_plots(df, variants[0], out))
     n_mp = int(maxpack["grid_steps_off"].notna().sum()) if len(maxpack) else 0
     summary = {
         "command": command, "n_runs": int(len(df)),
@@ -316,9 +411,12 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
         "smape": smape_table(df, list(variants)),
         "max_pack": {"n": n_mp,
                      "exact": int((maxpack["grid_steps_off"] == 0).sum()) if n_mp else 0,
-                     "within_one": int((maxpack["grid_steps_off"].abs() <= 1).sum()) if n_mp else 0},
+                     "within_one": int((maxpack["grid_steps_off"].abs() <= 1).sum()) if n_mp else 0,
+                     "regret": regret_summary(maxpack) if len(maxpack) else {}},
         "wall_s": time.perf_counter() - t0,
     }
+    if before_summary is not None:
+        summary["before"] = before_summary
     atomic_write_json(out / "summary.json", summary, indent=2, default=float)
     write_report(summary, df, maxpack, out, plots)
     return summary

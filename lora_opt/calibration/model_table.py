@@ -16,7 +16,7 @@ from lora_opt.errors import InputError
 from twin.errors import ScenarioError
 from twin.parsing import read_config_file
 from twin.paths import BUNDLE_ROOT, MODEL_TABLE_PATH
-from twin.profile import LORA_SET_RULES, EngineDefaults, ModelSpec
+from twin.profile import LORA_RANK_RULES, LORA_SET_RULES, EngineDefaults, ModelSpec
 
 
 #: engine generations with fitting code: ``v0`` = the vLLM 0.5.0 fork (no chunked prefill),
@@ -25,7 +25,7 @@ ENGINE_GENERATIONS = ("v0", "v1")
 #: what a profile's estimators are fitted on (``ModelEntry.fitted_from``)
 FITTED_FROM = ("real_runs", "probe")
 #: how LoRA's cost enters a step (``ModelEntry.lora_cost``)
-LORA_COSTS = ("factor", "per_token")
+LORA_COSTS = ("factor", "per_token", "additive")
 #: the end-to-end constants ``lora-opt calibrate-e2e`` can fit (``ModelEntry.e2e_fit``)
 E2E_FITTED = ("slot_share", "prefill_share", "frontend")
 
@@ -104,7 +104,14 @@ class ModelEntry:
     with adapters costs ``1 + jump`` times its decode part, prefill tokens ``1 + prefill_share * jump``) or
     ``per_token`` (vLLM's CPU build: every token of a step with an adapter pays ``token_ms`` of its rank,
     dearer for each token beyond a knee in tokens x rank; ``jump`` and ``prefill_share`` 0): the per-token adapter
-    gather makes a small batch's LoRA cost small, which a factor fitted at 16 sequences prices ~4x high."""
+    gather makes a small batch's LoRA cost small, which a factor fitted at 16 sequences prices ~4x high) or
+    ``additive`` (``lora-opt calibrate-e2e`` fits ms per step, slot, distinct adapter and token on the end-to-end
+    fit half, no factor: ``lora_opt.calibration.additive_fit``; the estimators' factor stays in the profile's
+    fit record)."""
+    lora_rank_rule: str = "nearest"
+    """How the profile prices a ``max_lora_rank`` it has no LoRA entry for (``twin.profile.LORA_RANK_RULES``:
+    ``nearest`` or ``linear`` in the rank through the two nearest fitted ranks); written into the profile by
+    ``lora-opt calibrate``.  Chosen by the report half where the fitted ranks do not cover it (issue 36)."""
     cpu_to_gpu_ms_from: CpuToGpuSource | None = None
     """Where the CPU->GPU load table comes from when the runs log no usable activation time."""
     notes: tuple[str, ...] = ()
@@ -168,6 +175,8 @@ def _model(key: str, raw: Any, gpus: dict[str, GpuEntry], where: str) -> ModelEn
         raise InputError(f"{where}.fitted_from: {d['fitted_from']!r}; allowed: {list(FITTED_FROM)}")
     if d.get("lora_cost", "factor") not in LORA_COSTS:
         raise InputError(f"{where}.lora_cost: {d['lora_cost']!r}; allowed: {list(LORA_COSTS)}")
+    if d.get("lora_rank_rule", "nearest") not in LORA_RANK_RULES:
+        raise InputError(f"{where}.lora_rank_rule: {d['lora_rank_rule']!r}; allowed: {list(LORA_RANK_RULES)}")
     if "e2e_fit" in d:
         fitted = d["e2e_fit"]
         if not isinstance(fitted, list) or not set(fitted) <= set(E2E_FITTED):

@@ -74,6 +74,8 @@ def _profile_dict(entry: ModelEntry, fits: dict[str, FitResult | None], data_pat
                "per_ctx_ktoken_ms": sig(dec.params["per_ctx_ktoken_ms"]),
                "lora": {int(r): {k: sig(v) for k, v in p.items()} for r, p in lora.params.items()},
                "sched_base_ms": 0.0, "sched_per_running_ms": 0.0, "sched_per_waiting_ms": 0.0}
+    if entry.lora_rank_rule != "nearest":
+        latency["lora_rank_rule"] = entry.lora_rank_rule
     loading = {"cpu_to_gpu_ms": {int(r): sig(v) for r, v in load.params["cpu_to_gpu_ms"].items()},
                "disk_to_cpu_ms": {int(r): sig(v) for r, v in load.params["disk_to_cpu_ms"].items()}}
     data_rel = _rel_data_path(data_path)
@@ -162,7 +164,8 @@ def _carry_e2e(prof: dict[str, Any], out: Path) -> dict[str, Any]:
         return prof
     p = e2e["params"]
     prof = with_e2e_params(prof, p["slot_share"], p["prefill_share"],
-                           (p["ttft_frontend_ms"], p["ttft_frontend_per_running_ms"]), p.get("step_overhead_ms", 0.0))
+                           (p["ttft_frontend_ms"], p["ttft_frontend_per_running_ms"]), p.get("step_overhead_ms", 0.0),
+                           p.get("additive"), p.get("adapter_ms_by_rank"))
     prof["fit"]["e2e"] = e2e
     return prof
 

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     for m in models:
         if m not in FIT_HALF:
             raise InputError(f"--model {m!r}: allowed values: {', '.join(sorted(FIT_HALF))}")
-        log.info(f"{m}: replaying its fit-half runs on the twin once per grid point (a line each)")
+        log.info(f"{m}: replaying its fit-half runs on the twin once per candidate (a line each)")
         try:
             rec = fit_model(m, args.runs, workers=args.workers)
         except NoFitRuns as exc:

@@ -15,6 +15,9 @@ def register(sub) -> None:
                                     "of two models, a few minutes; a family of the fit half -- rank_16_ for Llama-3.1 and "
                                     "Qwen, rate_0.0125 for Llama-2 -- was fitted on, and is reported as such)")
     f.add_argument("--out", default="outputs/fidelity", help="report directory")
+    f.add_argument("--before", metavar="SUMMARY_JSON",
+                   help="an earlier fidelity summary.json (e.g. experiments/fidelity/before/summary.json): the report "
+                        "shows each model's report-half SMAPE and Max_pack regret before and after")
     add_ray_flags(f)
     add_tracking_flag(f)
     f.set_defaults(run=run)
@@ -25,9 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.calibration.fidelity import run_fidelity
     from lora_opt.tracking import log_command_run
 
-    cmd = "lora-opt fidelity" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
+    cmd = ("lora-opt fidelity" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
+           + (f" --before {args.before}" if args.before else ""))
     summary = run_fidelity(args.runs, family=args.family, out_dir=args.out, workers=args.workers,
-                           ray_address=args.ray_address, command=cmd)
+                           ray_address=args.ray_address, command=cmd, before=args.before)
     log_command_run("fidelity", args.family or "all", params={"runs": args.runs, "family": args.family, "command": cmd,
                     "runs_per_model": summary["runs_per_model"]}, metrics={k: summary[k] for k in ("smape", "max_pack")},
                     artifacts=[args.out], seeds="per run: sha256 of its source directory (realruns.run_seed)",
@@ -46,5 +50,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<13} {e['sharegpt']:6.1f} / {e['mean']:6.1f}{peer}")
     mp = summary["max_pack"]
     print(f"  Max_pack exact {mp['exact']}/{mp['n']}, within one step {mp['within_one']}/{mp['n']}")
+    for k, v in mp.get("regret", {}).items():
+        if k.endswith("report half") and v["workloads"]:
+            print(f"  Max_pack regret {k}: mean {v['mean_regret_pct']:.1f} %, worst {v['worst_regret_pct']:.1f} %, "
+                  f"{v['starving_picks']} pick(s) that starve the real server")
     print(f"report -> {args.out}/report.md")
     return 0
