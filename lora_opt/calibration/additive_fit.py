@@ -77,8 +77,7 @@ def fit_additive(rows, latency, prefill_share: float) -> tuple[dict[str, float],
     fitted = dict(zip(ADDITIVE_KEYS, (float(x) for x in res.x)))
     pred = _predict(res.x, g, prefill_share)
     tok = fitted["decode_token_ms"]
-    params = {"jump": 0.0, "slope": 0.0, "slot_share": 0.0, "prefill_share": 0.0,
-              "step_ms": fitted["step_ms"], "slot_ms": fitted["slot_ms"], "adapter_ms": fitted["adapter_ms"],
+    params = {"step_ms": fitted["step_ms"], "slot_ms": fitted["slot_ms"], "adapter_ms": fitted["adapter_ms"],
               "seq_ms": tok * (1.0 - prefill_share), "token_ms": tok * prefill_share}
     info = {"n_runs": int(ok.sum()), **fitted, "prefill_token_share": prefill_share,
             "itl_smape_run_level": float(np.mean(np.abs(pred - g["y"]) / ((pred + g["y"]) / 2.0)) * 100.0),
