@@ -40,7 +40,7 @@ from lora_opt.emulate.fleet import free_ports
 from lora_opt.io import atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.evaluate import workload_requests
 from lora_opt.placement.plan import Placement
-from lora_opt.placement.router_config import VLLM_ROUTER_POLICIES, VLLM_ROUTER_VERSION, vllm_router_command
+from lora_opt.replan.router_config import VLLM_ROUTER_POLICIES, VLLM_ROUTER_VERSION, vllm_router_command
 from lora_opt.placement.workload_file import load_workload
 from lora_opt.tracking import log_command_run
 from lora_opt.validate.measure import REQUEST_COLUMNS, request_rows

@@ -6,7 +6,7 @@ for the peak (tracked in MLflow, experiment ``drift-day``).
     python experiments/drift_day.py [--drift day] [--steps 24] [--tracking-uri URI]
     python experiments/drift_day.py --drift traces --out experiments/drift_traces
 
-Runs ``lora-opt schedule`` (its totals and rows: ``lora_opt.placement.schedule``) and writes
+Runs ``lora-opt schedule`` (its totals and rows: ``lora_opt.replan.schedule``) and writes
 the output folder (default experiments/drift_day/: schedule.json, schedule.csv, schedule.png,
 steps/, report.md).
 Runs with lora-opt installed (``pip install -e .`` in the checkout): it imports the installed package.

@@ -121,8 +121,7 @@ def run_trace(trace, args):
     wl, replay, T, history, history_s = powerlaw_split(trace, args.adapters, args.compress, args.seed)
     prof = load_profile(PROFILE)
     e = wl.resolved_engine(prof)
-    cap = max_loras_that_start(prof, max(RANKS), e.gpu_memory_utilization, e.max_num_batched_tokens, e.max_model_len,
-                               e.max_num_seqs, 1024)
+    cap = max_loras_that_start(prof, max(RANKS), e, 1024)
     grid = sorted({a for a in AMAX_GRID if a < cap} | {cap})
     info = {"trace": trace, "adapters": args.adapters, "compress": args.compress, "replay_s": T,
             "replay_requests": len(replay), "replay_req_s": len(replay) / T,

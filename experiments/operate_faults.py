@@ -3,7 +3,7 @@ seeded faults (tracked in MLflow, experiment ``operate-faults``).
 
     python experiments/operate_faults.py [--steps 24] [--step-s 60] [--seed 0] [--out experiments/operate_faults]
 
-The day: the drift generator's (``lora_opt.placement.drift``; 16 adapters, ranks 8/16, a cosine between 4 and
+The day: the drift generator's (``lora_opt.replan.drift``; 16 adapters, ranks 8/16, a cosine between 4 and
 16 req/s peaking at 15:00, 10 % popularity churn a step, no arrivals or retirements -- operate's adapters are
 its placement's), each hour ``--step-s`` wall seconds; requests of 200 prompt / 40 output tokens,
 ``--max-num-seqs 4`` (as experiments/replan_apply.py: an emulated fleet relays its tokens in real time on 2
@@ -54,7 +54,7 @@ import numpy as np
 from lora_opt.bench.prometheus_server import PrometheusServer
 from lora_opt.emulate.fleet import free_ports
 from lora_opt.io import atomic_write_json, atomic_write_rows, atomic_write_text
-from lora_opt.placement.drift import drift_from_dict, drift_workloads, write_drift
+from lora_opt.replan.drift import drift_from_dict, drift_workloads, write_drift
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.vllm_launch import router_table
 from lora_opt.tracking import log_command_run

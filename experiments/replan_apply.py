@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from lora_opt.emulate.fleet import free_ports
-from lora_opt.placement.replan_steps import step_counts
+from lora_opt.replan.replan_steps import step_counts
 from lora_opt.tracking import log_command_run
 
 OUT = Path(__file__).resolve().parent / "replan_apply"

@@ -2,10 +2,11 @@
 exit status a command returns (the one definition: the CLI, ``lora_opt.placement.report`` and
 ``lora_opt.validate.report`` import them from here; ``tests/test_one_owner.py`` keeps it so).
 
-Two kinds, one per layer: the twin's ``ScenarioError`` for scenario and profile fields (the twin knows
-nothing of lora_opt), and ``InputError`` for everything lora-opt reads itself -- CLI flags, workload,
-grid, placement, request-log and trace files, surrogate directories.  Both name the file, flag or
-field, the value and what is allowed.
+Two kinds, one per layer: the twin's ``ScenarioError`` for scenario and profile fields and request traces
+(the twin knows nothing of lora_opt) -- raised as well by the readers of inputs made of the twin's kinds,
+grid files (``lora_opt.surrogates.dataset``) and the real-runs CSV (``lora_opt.calibration.runs_csv``) --
+and ``InputError`` for the rest of what lora-opt reads -- CLI flags, workload, placement, request-log and
+drift files, surrogate directories.  Both name the file, flag or field, the value and what is allowed.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from twin.errors import ScenarioError
 
 
 class InputError(ValueError):
-    """Bad input to lora-opt outside a scenario: a CLI flag, a workload, grid, placement, request-log,
-    trace or model file.  The message names the flag, file or field and the allowed values."""
+    """Bad input to lora-opt outside a scenario: a CLI flag, a workload, placement, request-log, drift
+    or model file.  The message names the flag, file or field and the allowed values."""
 
 
 #: what the CLI reports as bad input (exit status 2)

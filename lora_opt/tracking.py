@@ -110,20 +110,26 @@ def git_commit(root: Path = SOURCE_ROOT) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def twin_version() -> str:
-    """The twin's package version + a hash of its sources (equal to the ``twin_version`` a dataset's
-    rows record, ``lora_opt.surrogates.dataset.twin_version``)."""
+    """The twin's package version + a hash of its sources: what a dataset's rows record as
+    ``twin_version`` (exactly which twin made them) and a run's provenance tags carry."""
     h = hashlib.sha256()
     for f in sorted(Path(twin.__file__).parent.glob("*.py")):
         h.update(f.read_bytes())
     return f"{twin.__version__}+{h.hexdigest()[:10]}"
 
 
+def profile_hash(profile) -> str:
+    """sha256 of a loaded ``Profile``'s file, first 16 hex digits: what a dataset's rows and a run's
+    tags record as ``profile_hash``."""
+    return hashlib.sha256(Path(profile.source).read_bytes()).hexdigest()[:16]
+
+
 def profile_info(profile) -> tuple[str, str] | None:
-    """(name, sha256 of the file, first 16 hex digits -- as a dataset records it) of a profile given
-    as a bundled name, a path or a loaded ``Profile``; None when it cannot be read."""
+    """(name, :func:`profile_hash`) of a profile given as a bundled name, a path or a loaded
+    ``Profile``; None when it cannot be read."""
     try:
         p = profile if hasattr(profile, "source") else load_profile(profile)
-        return p.name, hashlib.sha256(Path(p.source).read_bytes()).hexdigest()[:16]
+        return p.name, profile_hash(p)
     except (OSError, ScenarioError, TypeError, ValueError):
         return None
 

@@ -271,6 +271,17 @@ def test_bad_input_is_refused_naming_it(tmp_path, capsys, plan, argv, needle):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, needle", [("{\"steps\": [", "not valid JSON"),
+                                          ('{"steps": [], "steps": []}', "duplicate key 'steps'")])
+def test_a_malformed_plan_file_is_refused_naming_it(tmp_path, capsys, text, needle):
+    """The plan is read by twin.parsing: a bad file is bad input (exit 2) naming PLAN and the file."""
+    d = _placement_dir(tmp_path, {"steps": []})
+    (d / "plan.json").write_text(text)
+    assert main(["apply", str(d), "--no-track", "--out", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"PLAN: {d / 'plan.json'}" in err and needle in err
+
+
 def test_a_plan_whose_running_instances_do_not_answer_is_refused_before_any_step(tmp_path, capsys):
     url = f"http://127.0.0.1:{_closed_port()}"
     d = _placement_dir(tmp_path, {"steps": [], "endpoints": {"gpu0": url},

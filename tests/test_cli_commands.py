@@ -46,6 +46,9 @@ def test_choices_come_from_the_registries():
     assert _option(subs["evaluate"], "--arrivals").choices == list(ARRIVAL_PROCESSES)
     assert _option(subs["evaluate"], "--mapping").choices == list(TRACE_MAPPINGS)
     assert _option(subs["bench"], "what").choices == list(BENCHMARKS)
+    from lora_opt.search.run import BACKENDS, DEFAULT_BACKEND
+    assert _option(subs["search"], "--backend").choices == list(BACKENDS)
+    assert _option(subs["search"], "--backend").default == DEFAULT_BACKEND
 
 
 def test_dataset_help_lists_every_bundled_grid():

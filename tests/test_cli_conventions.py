@@ -176,13 +176,13 @@ def placed(tmp_path_factory):
     surrogate) and what place printed."""
     d = tmp_path_factory.mktemp("placed")
     (d / "w.yaml").write_text(SMALL)
-    out = io.StringIO()
-    from lora_opt.cli.place import run_place
     from lora_opt.placement.workload_file import load_workload
-    rc = run_place(load_workload(str(d / "w.yaml")), 4, "dlora", out_dir=str(d / "out"), emit_vllm=False,
-                   model=None, surrogate=None, policy_options={}, out=out)
-    assert rc in (EXIT_OK, 4)
-    return Placement.load(d / "out" / "placement.json"), out.getvalue()
+    from lora_opt.search.place import PlaceOptions, place_report, place_workload
+    # a fixed margin, not a confidence: the table's margin column, not the error model's
+    done = place_workload(load_workload(str(d / "w.yaml")), 4, PlaceOptions(policy="dlora", margin=0.1,
+                                                                              out_dir=str(d / "out")))
+    assert done.code in (EXIT_OK, 4)
+    return Placement.load(d / "out" / "placement.json"), place_report(done)
 
 
 def test_table_notes_agree_with_what_the_table_shows(placed):

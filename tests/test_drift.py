@@ -1,4 +1,4 @@
-"""The drift generator: seeded, documented day-long workloads (lora_opt.placement.drift)."""
+"""The drift generator: seeded, documented day-long workloads (lora_opt.replan.drift)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lora_opt.errors import InputError
-from lora_opt.placement.drift import (DriftConfig, drift_from_dict, drift_workloads, load_drift, trace_shape,
+from lora_opt.replan.drift import (DriftConfig, drift_from_dict, drift_workloads, load_drift, trace_shape,
                                       write_drift)
 from lora_opt.placement.workload_file import load_workload
 

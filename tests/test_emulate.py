@@ -357,8 +357,7 @@ def test_aborting_running_and_waiting_requests_keeps_the_invariants():
     sc = online_scenario(scenario_from_dict(small_scenario(engine={"max_num_seqs": 4})))
     prof = sc.load_profile()
     eng = sc.resolved_engine(prof)
-    _, kv, _ = prof.startup_check(eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
-                                  eng.max_num_batched_tokens, eng.max_model_len, eng.max_num_seqs)
+    _, kv, _ = prof.startup_check(eng)
     empty = Requests(np.zeros(0), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
     s = engine_state(sc, prof, eng, empty, kv)
     for k in range(10):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lora_opt.emulate.router import RouteTable, build_router_app, model_of
-from lora_opt.placement.router_config import HealthChecks
+from lora_opt.replan.router_config import HealthChecks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "llama-3.1-8b-h100-64gb"

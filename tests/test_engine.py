@@ -336,8 +336,7 @@ def _state(sc, requests=None):
     from twin.simulate import engine_state
     prof = sc.load_profile()
     eng = sc.resolved_engine(prof)
-    _, kv_tokens, _ = prof.startup_check(eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
-                                         eng.max_num_batched_tokens, eng.max_model_len, eng.max_num_seqs)
+    _, kv_tokens, _ = prof.startup_check(eng)
     req = requests if requests is not None else generate_requests(sc, eng.max_model_len)
     return engine_state(sc, prof, eng, req, kv_tokens), req
 

@@ -9,7 +9,7 @@ from lora_opt.errors import BAD_INPUT, InputError
 from lora_opt.placement.plan import GPUConfig
 from lora_opt.placement.workload_file import PlacementEngine, evaluation_scenario, workload_from_dict
 from twin.errors import ScenarioError
-from twin.flags import PER_INSTANCE_FLAGS, EngineFlagChecks, EngineFlags, flag_values, resolve_flags
+from twin.flags import PER_INSTANCE_FLAGS, EngineFlagChecks, EngineFlags, flag_values
 from twin.profile import EngineDefaults, load_profile, profile_from_dict, profile_to_dict
 from twin.scenario import (DEFAULT_RHO, AdapterGroup, EngineConfig, LengthConfig, Scenario, build_scenario,
                            scenario_dict, scenario_from_dict)
@@ -177,36 +177,7 @@ def test_resolved_engine_fills_every_flag_from_the_profile():
                                 "max_model_len": prof.model.max_model_len}
 
 
-def test_a_defaulted_max_num_seqs_is_clamped_to_a_smaller_budget():
-    """vLLM 0.32 lowers its default max_num_seqs to a smaller --max-num-batched-tokens rather than
-    refuse to start (EngineArgs._set_default_max_num_seqs_and_batched_tokens_args): so does the
-    twin, and the instance runs."""
-    import twin
-    assert load_profile(P).defaults.max_num_seqs == 256
-    eng = _resolved({"max_num_batched_tokens": 128})
-    assert (eng.max_num_seqs, eng.max_num_batched_tokens) == (128, 128)
-    sc = build_scenario(P, [{"rank": 8, "rate": 0.5}], engine={"max_num_batched_tokens": 128}, duration_s=20)
-    res = twin.simulate(sc)
-    assert res.status == "ok" and res.engine.max_num_seqs == 128
-
-
-def test_a_defaulted_budget_is_at_most_max_num_seqs_times_max_model_len():
-    assert _resolved({"max_num_seqs": 1, "max_model_len": 1024}).max_num_batched_tokens == 1024
-    assert _resolved({"max_num_seqs": 1, "max_model_len": 4096}).max_num_batched_tokens == 2048
-
-
-def test_a_defaulted_budget_below_an_explicit_max_num_seqs_is_kept():
-    """Not refused, as before: the calibration's real runs set max_num_seqs up to 4096 with the
-    budget left to its default, and they ran (only explicit values are compared)."""
-    eng = _resolved({"max_num_seqs": 4096})
-    assert (eng.max_num_seqs, eng.max_num_batched_tokens) == (4096, 2048)
-
-
-def test_resolution_keeps_set_flags_and_unknown_defaults_unset():
-    flags = EngineFlags(max_loras=2, max_num_seqs=64, max_num_batched_tokens=512)
-    assert resolve_flags(flags, {}) == EngineFlags(max_loras=2, max_cpu_loras=2, max_num_seqs=64,
-                                                   max_num_batched_tokens=512)
-    assert resolve_flags(flags, {"max_loras": 8, "max_num_seqs": 256}) == resolve_flags(flags, {})
+# the release's derived defaults and refusal, per vLLM version: tests/test_flag_rules.py
 
 
 def test_a_gpu_and_a_scenario_resolve_alike():

@@ -22,9 +22,10 @@ MAX_MODULE_LINES = 600
 LAZY_IMPORTERS = ("lora_opt.cli",)
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> path of every Python file below ``packages`` (folders of the repository)."""
     out = {}
-    for pkg in PACKAGES:
+    for pkg in packages:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -125,6 +126,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("lora_opt.calibration",),
     ("lora_opt.surrogates",),
     ("lora_opt.placement",),
+    # re-placement: placements moved to a new demand (and the router settings the emulated router shares)
+    ("lora_opt.replan",),
     ("lora_opt.search",),
     ("lora_opt.emulate",),
     ("lora_opt.validate",),
@@ -226,3 +229,142 @@ def test_missing_bundled_profiles_directory_is_a_clean_error(monkeypatch, tmp_pa
     monkeypatch.setitem(paths.NAMED_KINDS, "profile", tmp_path / "nowhere")
     with pytest.raises(ScenarioError, match="bundled profiles are missing"):
         profile.load_profile("llama-3.1-8b-h100-64gb")
+
+
+# ---- no private names across modules -----------------------------------------------------------
+#: the code that may import a project module: the product and the scripts beside it
+IMPORTER_DIRS = ("twin", "lora_opt", "experiments", "tools")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """``from m import _x`` and ``m._x`` in module ``name`` where ``m`` is another project module."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    aliases, out = {}, []                       # local name -> the project module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:                      # relative: from the package, up level - 1
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([source] if source else []))
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+                elif _private(alias.name) and source in modules and source != name:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} from {source} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in modules})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            dotted, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                dotted.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in aliases:
+                target = ".".join([aliases[value.id], *dotted])
+                if target in modules and target != name:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {target}.{node.attr}")
+    return out
+
+
+def test_no_private_names_imported_across_modules():
+    """A name with a leading underscore belongs to its module: another module using it
+    (``from m import _x``, ``m._x``) makes it public in all but name -- rename it, or move it."""
+    modules = _modules(IMPORTER_DIRS)
+    offenders = [use for name, path in modules.items() for use in _private_uses(name, path, modules)]
+    assert offenders == []
+
+
+def test_the_private_name_check_sees_both_spellings(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("def _x(): pass\n_x()\n")
+    (tmp_path / "pkg" / "b.py").write_text("from pkg.a import _x\nfrom . import a\nimport pkg.a as m\na._x()\nm._x()\n")
+    modules = _modules(("pkg",))
+    assert [u.split(" ", 1)[1] for u in _private_uses("pkg.b", modules["pkg.b"], modules)] == \
+        ["from pkg.a import _x", "pkg.a._x", "pkg.a._x"]
+    assert _private_uses("pkg.a", modules["pkg.a"], modules) == []
+
+
+# ---- every file read through twin.parsing ------------------------------------------------------
+#: the parsers that would read a file without twin.parsing's limits (size, depth, duplicate keys,
+#: NaN, a message naming the file): ``twin.parsing`` calls them, nothing else does on a file
+RAW_LOADERS = {("yaml", "safe_load"), ("yaml", "load"), ("yaml", "safe_load_all"), ("yaml", "load_all"),
+               ("yaml", "full_load"), ("yaml", "unsafe_load"), ("json", "load"), ("json", "loads")}
+#: (module, function) that parse JSON that is not a file, each with why
+RAW_LOADER_USES = {
+    ("lora_opt.bench.emulate", "_get"): "an HTTP answer of the emulator it benchmarks",
+    ("lora_opt.bench.prometheus_server", "_scraped_once"): "an HTTP answer of Prometheus's API",
+    ("lora_opt.bench.search_backends", "bench_backends"): "a round trip of its own rows (plain JSON types)",
+    ("lora_opt.bench.stages", "_run"): "the result line its own child process prints",
+    ("lora_opt.bench.stages", "bench_ray"): "the result line its own child process prints",
+    ("lora_opt.cli.pareto", "run"): "a round trip of the result for printing (NaN -> null)",
+    ("lora_opt.emulate.client", "error_message"): "an HTTP error body of the server it sends to",
+    ("lora_opt.emulate.request_validation", "read_json_body"): "an HTTP request body, parsed as vLLM parses it",
+    ("lora_opt.emulate.router", "model_of"): "an HTTP request body (the model a request names)",
+    ("lora_opt.emulate.router", "admin_call"): "an HTTP request body of the router's admin API",
+    ("lora_opt.placement.prometheus_demand", "get"): "an HTTP answer of Prometheus's API",
+    ("lora_opt.probe.plan", "server_info"): "HTTP answers of the server probed (/v1/models, /version)",
+    ("lora_opt.validate.live", "one"): "HTTP answers of an instance (/version, /emulator/stats)",
+}
+
+
+def _raw_loader_calls(tree: ast.AST) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every ``yaml.<load>(...)`` / ``json.load(s)(...)`` call."""
+    out = []
+
+    def walk(node, function):
+        for child in ast.iter_child_nodes(node):
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and isinstance(child.func.value, ast.Name) and (child.func.value.id, child.func.attr) in RAW_LOADERS):
+                out.append((function, child.lineno))
+            walk(child, child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function)
+
+    walk(tree, "<module>")
+    return out
+
+
+def test_every_file_is_read_through_twin_parsing():
+    """A file a user hands in -- a workload, a plan, a stored run, a surrogate, a profile -- is read by
+    ``twin.parsing`` (``read_config_file`` / ``read_json_file``), so that bad input is a clean error
+    naming the file (exit 2), never a traceback; JSON that is not a file is listed with its reason."""
+    found = set()
+    for name, tree in _trees().items():
+        if name == "twin.parsing":
+            continue
+        found |= {(name, function) for function, _ in _raw_loader_calls(tree)}
+    assert found - set(RAW_LOADER_USES) == set(), "read files with twin.parsing.read_config_file / read_json_file"
+    assert set(RAW_LOADER_USES) <= found, f"fixed: drop {sorted(set(RAW_LOADER_USES) - found)}"
+
+
+def _script_imports(folder: Path) -> dict[str, set[str]]:
+    """Sibling imports of the scripts in ``folder`` (run as scripts, their folder is on the path:
+    ``import x`` / ``from x import y`` name a sibling ``x.py``; ``from . import x`` / ``from .x import y``
+    too where the folder is a package)."""
+    siblings = {p.stem for p in folder.glob("*.py")}
+    graph = {}
+    for path in sorted(folder.glob("*.py")):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in siblings}
+            elif isinstance(node, ast.ImportFrom) and node.level in (0, 1):
+                if node.module in siblings:
+                    targets.add(node.module)
+                elif node.level == 1 and node.module is None:
+                    targets |= {a.name for a in node.names if a.name in siblings}
+        graph[path.stem] = targets - {path.stem}
+    return graph
+
+
+def test_no_import_cycles_among_the_experiments_scripts():
+    """The scripts beside the product keep the house's first rule too: no two import each other, even
+    inside a function (what both need lives in a module of its own)."""
+    folders = {p.parent for d in ("experiments", "tools") for p in (ROOT / d).rglob("*.py")}
+    cycles = {str(f.relative_to(ROOT)): c for f in sorted(folders) if (c := _cycles(_script_imports(f)))}
+    assert cycles == {}

@@ -13,7 +13,7 @@ import pytest
 
 from lora_opt.calibration.fitting import FitResult
 from lora_opt.calibration.model_table import MODELS, load_model_table
-from lora_opt.calibration.probe_fit import PROBE_PREFIX, _prefill_known, fit_lora_per_token
+from lora_opt.calibration.probe_fit import PROBE_PREFIX, prefill_known, fit_lora_per_token
 from lora_opt.errors import InputError
 from twin.paths import MODEL_TABLE_PATH
 from twin.profile import LoraOverheadSpec, load_profile, lora_token_cost, profile_to_dict
@@ -36,7 +36,7 @@ def _rows(costs: dict[int, tuple[float, float, float]], noise: float, seed: int 
                          y * (1 + noise * rng.standard_normal()), "probe_ctx_ktokens_mean": 2.8, "max_lora_rank": rank,
                          "probe_distinct_adapters": dist, "max_loras": 16})
         for p in LENGTHS:
-            known, chunks = _prefill_known(d, p, 2048)
+            known, chunks = prefill_known(d, p, 2048)
             y = 5.0 + known + 0.35 * (p - chunks) + lora_token_cost(below, above, knee, p)
             rows.append({"experiment": PROBE_PREFIX + "ttft_lora", "status": "ok", "probe_prompt_tokens": p,
                          "probe_ttft_ms": y * (1 + noise * rng.standard_normal()), "max_lora_rank": rank,
@@ -116,7 +116,7 @@ def _rows_with_step(rank: int, step_ms: float, token_ms: float, batches=(1, 4, 1
                      y * (1 + noise * rng.standard_normal()), "probe_ctx_ktokens_mean": ctx, "max_lora_rank": rank,
                      "probe_distinct_adapters": 1, "max_loras": 16})
     for p in LENGTHS[:4]:
-        known, chunks = _prefill_known(d, p, 2048)
+        known, chunks = prefill_known(d, p, 2048)
         y = 5.0 + known + 0.35 * (p - chunks) + step_ms + p * token_ms
         rows.append({"experiment": PROBE_PREFIX + "ttft_lora", "status": "ok", "probe_prompt_tokens": p,
                      "probe_ttft_ms": y * (1 + noise * rng.standard_normal()), "max_lora_rank": rank,

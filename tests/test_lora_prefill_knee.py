@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from lora_opt.calibration.fitting import FitResult
-from lora_opt.calibration.probe_fit import PROBE_PREFIX, _prefill_known, fit_lora_prefill
+from lora_opt.calibration.probe_fit import PROBE_PREFIX, prefill_known, fit_lora_prefill
 from twin.profile import LoraOverheadSpec, load_profile, profile_from_dict, profile_to_dict
 
 DECODE = FitResult(params={"base_ms": 11.6, "per_seq_ms": 0.6, "per_ctx_ktoken_ms": 2.2}, families=[], n=6)
@@ -31,7 +31,7 @@ def _rows(shares: dict[int, tuple[float, float, float]], noise: float, seed: int
         jump = LORA.params[rank]["jump"]
         for p in LENGTHS:
             for _ in range(3):
-                known, chunks = _prefill_known(DECODE.params, p, 2048)
+                known, chunks = prefill_known(DECODE.params, p, 2048)
                 share = below if p <= knee else above
                 y = 7.0 + known * (1 + jump) + 0.57 * (p - chunks) * (1 + share * jump)
                 rows.append({"experiment": PROBE_PREFIX + "ttft_lora", "status": "ok", "probe_prompt_tokens": p,

@@ -13,6 +13,10 @@ adapters -> a scenario's adapter dicts ``lora_opt/placement/workload_file.py`` (
 an unset engine flag's value           ``twin/flags.py`` (``resolve_flags``; the profile's defaults:
                                        ``Profile.flag_defaults``)
 a flag's ``vllm serve`` spelling       ``twin/flags.py`` (``serve_option``)
+the default vLLM release               ``twin/flags.py`` (``DEFAULT_VLLM_VERSION``)
+the twin's version, a profile's hash   ``lora_opt/tracking.py`` (``twin_version``, ``profile_hash``)
+MLflow store, metric names             ``lora_opt/tracking.py`` (``resolve_tracking_uri``,
+                                       ``flat_metrics``)
 =====================================  ==========================================================
 
 The checks read the source (AST or text) of the product (``lora_opt/``, ``twin/``) and of the code
@@ -215,7 +219,7 @@ def test_scenario_and_placement_take_the_rank_from_it():
 
 #: readers of flag defaults outside the resolution, each for a reason: the calibration makes a
 #: profile, and its real runs record no budget (the model table's default is theirs)
-KNOWN_DEFAULT_READERS = {"lora_opt/calibration/step_fit_v1.py", "lora_opt/calibration/memory_check.py"}
+KNOWN_DEFAULT_READERS = {"lora_opt/calibration/step_fit.py", "lora_opt/calibration/memory_check.py"}
 
 
 def test_unset_flags_are_resolved_in_one_place():
@@ -271,9 +275,9 @@ def test_lora_cost_factor_has_one_definition():
     assert KNOWN_LORA_FACTOR_COPIES <= where, \
         f"fixed: remove {sorted(KNOWN_LORA_FACTOR_COPIES - where)} from KNOWN_LORA_FACTOR_COPIES"
     assert _defined_in({"lora_extra"}) == {"lora_extra": ["twin/profile.py"]}
-    from lora_opt.calibration import step_fit, step_fit_v0
+    from lora_opt.calibration import step_fit
     from twin import profile
-    assert step_fit.lora_extra is step_fit_v0.lora_extra is profile.lora_extra
+    assert step_fit.lora_extra is profile.lora_extra
 
 
 def test_lora_extra_is_the_profiles_estimator_and_compiles_bit_identical():
@@ -333,3 +337,70 @@ def test_scenario_adapters_floor_scale_and_ids():
                                       {"count": 1, "rank": 16, "rate": IDLE_RATE, "id": "idle"}]
     assert IDLE_RATE == 1e-12
     assert [d["rate"] for d in scenario_adapters(ads, 1.5)] == [3.0, IDLE_RATE]
+
+
+# --- provenance and MLflow names: lora_opt/tracking.py -------------------------------------------
+
+def test_tracking_rules_have_one_definition():
+    """The twin's version a dataset row records is the one a run's tags carry; the store and the
+    metric names of every run (surrogate training's included) come from the same functions."""
+    names = {"twin_version", "profile_hash", "resolve_tracking_uri", "flat_metrics"}
+    assert _defined_in(names) == {n: ["lora_opt/tracking.py"] for n in names}
+
+
+def test_surrogate_metric_names_are_unchanged():
+    """Surrogate training logged its metrics through its own copy of ``flat_metrics`` (spaces to
+    ``_``, commas dropped); the committed surrogates' metrics keep those names under the one rule."""
+    import json
+    import math
+
+    from lora_opt.tracking import flat_metrics
+
+    def old(prefix, d):               # surrogates/reporting.py's copy, before it was removed
+        out = {}
+        if isinstance(d, dict):
+            for k, v in d.items():
+                out.update(old(f"{prefix}.{k}" if prefix else str(k), v))
+        elif isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d):
+            out[prefix.replace(" ", "_").replace(",", "")] = float(d)
+        return out
+
+    paths = sorted((REPO_ROOT / "configs" / "surrogates").glob("*/metrics.json"))
+    assert paths
+    for path in paths:
+        m = json.loads(path.read_text())
+        for prefix, d in (("", {k: m[k] for k in ("regressor", "classifier", "paper_ng", "dataset", "train_wall_s")}),
+                          ("distilled", m["distilled"])):
+            assert flat_metrics(prefix, d) == old(prefix, d) != {}, path
+
+
+# --- the default vLLM release: twin.flags.DEFAULT_VLLM_VERSION ----------------------------------
+
+#: string constants equal to the default release that are not the default: the releases lora-opt has
+#: an option table for
+KNOWN_RELEASE_LITERALS = {"lora_opt/placement/vllm_launch.py"}
+
+
+def test_default_vllm_release_has_one_definition():
+    """Launch commands, the emulator and the CLI's help texts take the default release from
+    ``twin.flags.DEFAULT_VLLM_VERSION``; no second copy (an assignment, a literal, a help text's
+    "else 0.33") can drift from it."""
+    from lora_opt.emulate.vllm_versions import VERSIONS
+    from lora_opt.placement.vllm_launch import SERVE_ARG_TABLES
+    from twin.flags import DEFAULT_VLLM_VERSION
+
+    assert DEFAULT_VLLM_VERSION in SERVE_ARG_TABLES and DEFAULT_VLLM_VERSION in VERSIONS
+    where, literals = [], set()
+    for rel, text in _sources().items():
+        tree = ast.parse(text, rel)
+        where += [f"{rel}:{line}" for name, line in _assigned_names(tree)
+                  if name == "DEFAULT_VLLM_VERSION" and rel != "twin/flags.py"]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value == DEFAULT_VLLM_VERSION
+                    or re.search(rf"(default|else)\D{{0,60}}\b{re.escape(DEFAULT_VLLM_VERSION)}\b", node.value)):
+                literals.add(rel)
+    assert where == []
+    literals.discard("twin/flags.py")
+    assert literals - KNOWN_RELEASE_LITERALS == set(), "use twin.flags.DEFAULT_VLLM_VERSION"
+    assert KNOWN_RELEASE_LITERALS <= literals, f"fixed: remove {sorted(KNOWN_RELEASE_LITERALS - literals)}"

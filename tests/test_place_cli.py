@@ -113,6 +113,22 @@ def _log(tmp_path, ids, n=2000, span=600.0, seed=0):
     return f
 
 
+def test_place_options_are_checked_and_give_the_policy_its_own():
+    """Issue 38: ``lora-opt place``'s work is ``lora_opt.search.place.place_workload`` with a
+    ``PlaceOptions``; bad values are refused where the options are made, greedy-plus's knobs reach
+    greedy-plus only."""
+    from lora_opt.errors import InputError
+    from lora_opt.search.place import PlaceOptions
+    with pytest.raises(InputError, match="--deployment: 'all' not allowed"):
+        PlaceOptions(deployment="all")
+    with pytest.raises(InputError, match="--vllm-version: '9.9'"):
+        PlaceOptions(vllm_version="9.9")
+    knobs = dict(margin=0.2, verify_s=60.0, ttft_p99_s=2.0, progress=True)
+    assert PlaceOptions(policy="dlora", **knobs).policy_options() == {}
+    assert PlaceOptions(**knobs).policy_options() == {"progress": True, "margin": 0.2, "verify_s": 60.0,
+                                                      "ttft_p99_s": 2.0}
+
+
 def test_place_from_a_request_log_verifies_on_it(tmp_path, capsys):
     ids = [f"s-{i}" for i in range(40)] + [f"m-{i}" for i in range(20)]
     log = _log(tmp_path, ids)

@@ -106,7 +106,7 @@ def test_a_router_that_cannot_front_the_pick_is_refused_before_anything_is_writt
 
 
 def test_gateway_manifests_say_what_the_picker_must_read_per_vllm_release():
-    from lora_opt.placement.router_config import endpoint_picker_notes
+    from lora_opt.replan.router_config import endpoint_picker_notes
     assert endpoint_picker_notes(None) == [] and endpoint_picker_notes("0.8.5") == []
     for release in ("0.32", "0.33"):
         text = " ".join(endpoint_picker_notes(release))

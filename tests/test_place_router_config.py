@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from lora_opt.placement.plan import Adapter, Placement, PlacementError
-from lora_opt.placement.router_config import (GATEWAY_API_VERSION, gateway_manifests, replica_sets, router_files,
+from lora_opt.replan.router_config import (GATEWAY_API_VERSION, gateway_manifests, replica_sets, router_files,
                                               vllm_router_command)
 from lora_opt.placement.workload_file import workload_from_dict
 from lora_opt.search.deployments import every_gpu_placement

@@ -186,10 +186,7 @@ def test_startup_failures_are_reported_not_raised(ctx):
 
 # ---- the operator variants of the baselines: A_max capped to what starts -------------------------
 def _startable(p, wl, profile, gi):
-    g, e = p.gpus[gi], wl.engine
-    mml = e.max_model_len or profile.model.max_model_len
-    return max_loras_that_start(profile, g.max_lora_rank, e.gpu_memory_utilization, e.max_num_batched_tokens,
-                                mml, e.max_num_seqs, len(p.adapters_on(gi)))
+    return max_loras_that_start(profile, p.gpus[gi].max_lora_rank, wl.resolved_engine(profile), len(p.adapters_on(gi)))
 
 
 @pytest.mark.parametrize("paper,operator", [("dlora", "dlora-capped"), ("loraserve", "loraserve-capped")])

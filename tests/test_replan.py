@@ -1,5 +1,5 @@
 """``lora-opt replan``: the fewest moves for new demand, and a transition that never starves an
-instance it loads (lora_opt.placement.replan, lora_opt.placement.replan_steps)."""
+instance it loads (lora_opt.replan.replan, lora_opt.replan.replan_steps)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from lora_opt.cli import main
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies import PlacementContext, get_policy
-from lora_opt.placement.replan import GPUJudge, ReplanCosts, StateJudge, replan
+from lora_opt.replan.replan import GPUJudge, ReplanCosts, StateJudge, replan
 from lora_opt.placement.workload_file import workload_from_dict
 
 PROFILE = "llama-3.1-8b-h100-64gb"
@@ -319,8 +319,8 @@ def test_a_state_carrying_part_of_its_target_is_ok_and_a_mixture_is_judged(place
     """Twin verdicts on one draw are not monotone near the boundary: an instance carrying a part of
     the traffic its target (which passed the placement test) carries is ok; one that carries traffic
     beyond both its start and its target is judged, and its failure makes the state not ok."""
-    from lora_opt.placement.replan import Candidate, Instance
-    from lora_opt.placement.replan_steps import _Transition
+    from lora_opt.replan.replan import Candidate, Instance
+    from lora_opt.replan.replan_steps import _Transition
 
     wl, _, _, p = placed
     cfg = p.gpus[0]

@@ -25,7 +25,7 @@ from lora_opt.emulate.request_validation import APIError
 from lora_opt.emulate.router import RouteTable
 from lora_opt.emulate.router_health import EndpointHealth, health_url
 from lora_opt.errors import InputError
-from lora_opt.placement.router_config import HealthChecks, gateway_manifests, vllm_router_command
+from lora_opt.replan.router_config import HealthChecks, gateway_manifests, vllm_router_command
 from lora_opt.placement.workload_file import workload_from_dict
 from lora_opt.search.deployments import every_gpu_placement
 from twin.profile import load_profile

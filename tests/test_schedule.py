@@ -6,9 +6,9 @@ import json
 import yaml
 
 from lora_opt.cli import main
-from lora_opt.placement.drift import drift_from_dict, drift_workloads
+from lora_opt.replan.drift import drift_from_dict, drift_workloads
 from lora_opt.placement.policies import PlacementContext, get_policy
-from lora_opt.placement.schedule import run_schedule, totals
+from lora_opt.replan.schedule import run_schedule, totals
 
 DRIFT = {"profile": "llama-3.1-8b-h100-64gb", "adapters": 40, "peak_rate": 14.0, "trough_fraction": 0.3,
          "steps": 4, "step_s": 21600, "peak_hour": 12, "start_hour": 0, "churn": 0.2,

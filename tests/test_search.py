@@ -13,8 +13,8 @@ import pytest
 from lora_opt.placement.evaluate import Criterion
 from lora_opt.search.pareto import criteria_sweep, pareto_points
 from lora_opt.placement.policies import PlacementContext, get_policy
-from lora_opt.search.study import (SearchSetup, Traffic, decode, encode, hypervolume, part_sizes, run_search,
-                                   study_front)
+from lora_opt.search.study import (SearchOptions, SearchSetup, Traffic, decode, encode, hypervolume, part_sizes,
+                                   run_search, study_front)
 from lora_opt.placement.workload_file import workload_from_dict
 
 P = "llama-3.1-8b-h100-64gb"
@@ -61,8 +61,8 @@ def test_hypervolume_and_front():
 
 def test_tiny_study_on_local_ray_front_respects_constraints(tiny, tmp_path):
     wl, ctx, setup = tiny
-    res = run_search(setup, ctx, Traffic(None, 120, seed=1), trials=8, storage=f"sqlite:///{tmp_path}/s.db",
-                     study_name="t", workers=2, progress=False)
+    res = run_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(
+        trials=8, storage=f"sqlite:///{tmp_path}/s.db", study_name="t", workers=2, progress=False))
     assert res.trials == 8 and res.complete + res.failed == 8
     assert res.front
     import optuna
@@ -88,8 +88,8 @@ def test_a_seeded_study_is_the_same_on_one_worker_and_on_two(tiny, tmp_path):
     runs = {}
     for workers in (1, 2):
         db = f"sqlite:///{tmp_path}/w{workers}.db"
-        run_search(setup, ctx, Traffic(None, 120, seed=1), trials=12, storage=db, study_name="d", seed=3,
-                   workers=workers, progress=False)
+        run_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(trials=12, storage=db, study_name="d", seed=3,
+                                                                         workers=workers, progress=False))
         runs[workers] = _trials(db, "d")
     assert runs[1] == runs[2]
     assert len(runs[1][0]) == 12 and runs[1][1]
@@ -106,8 +106,8 @@ def test_a_trial_that_raises_is_recorded_as_failed(tiny, tmp_path, monkeypatch):
         return real(params, setup_, traffic)
 
     monkeypatch.setattr(search, "run_trial", flaky)
-    res = run_search(setup, ctx, Traffic(None, 120, seed=1), trials=6, storage=f"sqlite:///{tmp_path}/f.db",
-                     study_name="f", workers=1, progress=False)
+    res = run_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(
+        trials=6, storage=f"sqlite:///{tmp_path}/f.db", study_name="f", workers=1, progress=False))
     import optuna
     study = optuna.load_study(study_name="f", storage=f"sqlite:///{tmp_path}/f.db")
     failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
@@ -348,6 +348,6 @@ def test_a_trial_killed_while_being_asked_is_completed_on_resume(tiny, tmp_path)
     study, _ = open_study(setup, storage, "p", 0)
     trial = study.ask()
     trial.suggest_int("gpus", 1, 2)                     # ... and killed before share_0 / amax_0
-    res = run_search(setup, ctx, Traffic(None, 120, seed=1), trials=1, storage=storage, study_name="p", workers=1,
-                     seeds=False, progress=False)
+    res = run_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(
+        trials=1, storage=storage, study_name="p", workers=1, seeds=False, progress=False))
     assert (res.trials, res.complete, res.failed, res.resumed_stale) == (1, 1, 0, 1)

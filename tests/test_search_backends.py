@@ -46,6 +46,43 @@ def test_search_exits_3_when_no_trial_is_feasible(tiny_file, tmp_path, capsys):
     assert rc == 3 and "no feasible trial" in capsys.readouterr().out
 
 
+def test_search_options_are_checked_where_they_are_made():
+    from lora_opt.errors import InputError
+    from lora_opt.search.study import SearchOptions
+    for bad, match in (({"trials": 0}, "--trials: must be >= 1, got 0"), ({"trials": 2.5}, "--trials: expected an integer"),
+                       ({"seed": -1}, "--seed: must be >= 0"), ({"workers": 0}, "--workers: must be >= 1"),
+                       ({"workers": True}, "--workers: expected an integer")):
+        with pytest.raises(InputError, match=match):
+            SearchOptions(**bad)
+    assert SearchOptions(trials=np.int64(3), workers=None).trials == 3
+
+
+def test_a_backend_is_a_name_and_its_function(tiny_file, tmp_path, monkeypatch):
+    """Issue 38: ``BACKENDS`` maps each name to the function that drives the trials -- a name added
+    runs its own function (never ask/tell by default), a name not in it is refused before any work."""
+    from lora_opt.errors import InputError
+    from lora_opt.search import run as search_run
+    from lora_opt.search.study import SearchOptions, run_search
+
+    assert all(callable(b.run) for b in search_run.BACKENDS.values())      # --backend's choices: test_cli_commands
+    with pytest.raises(InputError, match="--backend: 'nope' not allowed; allowed values: ask-tell, tune"):
+        search_run.SearchRequest(backend="nope")
+    calls = []
+
+    def traced(setup, ctx, traffic, options, *, where, timeout_s):
+        calls.append((where, timeout_s))
+        return run_search(setup, ctx, traffic, options, timeout_s=timeout_s)
+
+    monkeypatch.setitem(search_run.BACKENDS, "traced", search_run.Backend(traced, reproducible=False))
+    done = search_run.search(str(tiny_file), 2, search_run.SearchRequest(backend="traced", out=str(tmp_path / "o"),
+                                                                         timeout_s=30.0, progress=False),
+                             SearchOptions(trials=2, workers=1, seeds=False, progress=False), track=False)
+    assert calls == [(tmp_path / "o", 30.0)]
+    assert done.result["backend"] == "traced" and done.result["reproducible"] is False
+    assert done.result["storage"] == f"sqlite:///{tmp_path / 'o' / 'study.db'}"
+    assert "(traced: the trials depend on the order they finished in" in search_run.report(done)
+
+
 @pytest.mark.slow
 def test_tune_and_ask_tell_give_feasible_fronts_with_the_same_seeds(tmp_path):
     """Both backends on the same tiny workload, seed and trial budget: each finds a feasible front
@@ -60,7 +97,7 @@ def test_tune_and_ask_tell_give_feasible_fronts_with_the_same_seeds(tmp_path):
 
     from lora_opt.placement.policies import PlacementContext
     from lora_opt.placement.workload_file import workload_from_dict
-    from lora_opt.search.study import SearchSetup, Traffic, load_study, run_search, study_front
+    from lora_opt.search.study import SearchOptions, SearchSetup, Traffic, load_study, run_search, study_front
     from lora_opt.search.tune import run_tune_search
 
     wl = workload_from_dict(TINY)
@@ -68,9 +105,9 @@ def test_tune_and_ask_tell_give_feasible_fronts_with_the_same_seeds(tmp_path):
     setup = SearchSetup.build(wl, 3, ctx)
     db = f"sqlite:///{tmp_path}/s.db"
     common = dict(trials=10, storage=db, seed=1, workers=2, progress=False)
-    a = run_search(setup, ctx, Traffic(None, 120, seed=1), study_name="ask", **common)
-    t = run_tune_search(setup, ctx, Traffic(None, 120, seed=1), study_name="tune", tune_dir=tmp_path / "tune",
-                        **common)
+    a = run_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(study_name="ask", **common))
+    t = run_tune_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(study_name="tune", **common),
+                        tune_dir=tmp_path / "tune")
     for res in (a, t):
         assert res.trials == 10 and res.front
         study = load_study(db, res.study_name)
@@ -80,7 +117,7 @@ def test_tune_and_ask_tell_give_feasible_fronts_with_the_same_seeds(tmp_path):
         assert any(x.user_attrs.get("seed") for x in study.trials)       # greedy seeds enqueued in both
     assert (tmp_path / "tune" / "tune").is_dir()                              # Tune's experiment directory
     # resume: the same call again finds the finished experiment and adds nothing
-    again = run_tune_search(setup, ctx, Traffic(None, 120, seed=1), study_name="tune", tune_dir=tmp_path / "tune",
-                            **common)
+    again = run_tune_search(setup, ctx, Traffic(None, 120, seed=1), SearchOptions(study_name="tune", **common),
+                            tune_dir=tmp_path / "tune")
     assert again.trials == 10
     assert optuna.load_study(study_name="tune", storage=db).trials[0].state.name == "COMPLETE"

@@ -64,9 +64,9 @@ def test_a_trial_at_a_confidence_must_also_hold_the_verification_load(hot):
 def test_a_study_keeps_the_load_its_trials_were_judged_at(hot, tmp_path):
     wl, ctx = hot
     storage = f"sqlite:///{tmp_path}/s.db"
-    from lora_opt.search.study import run_search
-    run_search(SearchSetup.build(wl, 2, ctx, confidence=setting(0.8)), ctx, Traffic(None, 120, seed=1), trials=1,
-               storage=storage, study_name="s", workers=1, seeds=False, progress=False)
+    from lora_opt.search.study import SearchOptions, run_search
+    run_search(SearchSetup.build(wl, 2, ctx, confidence=setting(0.8)), ctx, Traffic(None, 120, seed=1),
+               SearchOptions(trials=1, storage=storage, study_name="s", workers=1, seeds=False, progress=False))
     with pytest.raises(ScenarioError, match=r"1\.250x the load.*2\.000x"):
         open_study(SearchSetup.build(wl, 2, ctx, confidence=setting(0.5)), storage, "s", 0)
     study, name = open_study(SearchSetup.build(wl, 2, ctx, confidence=setting(0.5)), storage, None, 0)

@@ -16,6 +16,7 @@ from lora_opt.surrogates import metrics as sm
 from lora_opt.surrogates import model_files, reporting, training
 from lora_opt.surrogates.oracle import Oracle, Surrogate, as_feature_matrix
 from lora_opt.surrogates.features import FEATURES
+from lora_opt.tracking import twin_version
 from twin.errors import ScenarioError
 
 PROFILE = "llama-3.1-8b-h100-64gb"
@@ -33,7 +34,7 @@ def twin_frame(workloads: int = 16, seed: int = 0) -> pd.DataFrame:
     rate_sets = list(itertools.combinations_with_replacement(sorted(RATES, reverse=True), 3))
     rng = np.random.default_rng(seed)
     pairs = rng.choice(len(rank_sets) * len(rate_sets), size=workloads, replace=False)
-    version = ds.twin_version()
+    version = twin_version()
     items = []
     for w in sorted(pairs):
         ranks, rates = rank_sets[w // len(rate_sets)], rate_sets[w % len(rate_sets)]
@@ -196,7 +197,7 @@ def test_train_writes_the_dataset_summary_beside_the_model(trained, tmp_path):
     import shutil
     data = tmp_path / "data"
     shutil.copytree(trained["data"], data)
-    summary = {"out": "outputs/x", "rows": 1, "dataset_hash": ds.dataset_hash(data), "twin_version": ds.twin_version()}
+    summary = {"out": "outputs/x", "rows": 1, "dataset_hash": ds.dataset_hash(data), "twin_version": twin_version()}
     (data / "summary.json").write_text(json.dumps(summary))
     training.train_cli(data, tmp_path / "out", fast=True, track=False)
     assert json.loads((tmp_path / "out" / "dataset_summary.json").read_text()) == summary
@@ -215,7 +216,7 @@ def test_trained_surrogate_loads_from_the_registry(trained):
     for name in reporting.REGISTERED_NAMES.values():
         tags = client.get_model_version(name, "1").tags
         assert tags["dataset_hash"] == trained["metrics"]["dataset"]["sha256_16"]
-        assert (tags["profile"], tags["profile_hash"], tags["twin_version"]) == (PROFILE, "test", ds.twin_version())
+        assert (tags["profile"], tags["profile_hash"], tags["twin_version"]) == (PROFILE, "test", twin_version())
     d = registry.surrogate_dir("models:/lora-opt-starvation/1", trained["uri"])
     for name in registry.SURROGATE_FILES:
         assert (d / name).read_bytes() == (trained["out"] / name).read_bytes(), name

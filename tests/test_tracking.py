@@ -13,8 +13,8 @@ import pytest
 
 from lora_opt import tracking
 from lora_opt.cli import main
-from lora_opt.surrogates import dataset as ds
 from lora_opt.tracking import log_flat_metrics, tracked_run
+from twin.profile import load_profile
 
 PROFILE = "llama-3.1-8b-h100-64gb"
 RUNS_CSV = "data/real_runs/real_runs_vllm_lora.csv"
@@ -48,9 +48,9 @@ def test_tracked_run_logs_metrics_and_artifacts(tmp_path):
 def test_provenance_tags():
     tags = tracking.provenance_tags(PROFILE, seeds={"sampler": 3})
     assert tags["lora_opt.version"] == tracking.package_version() != ""
-    assert tags["lora_opt.twin_version"] == ds.twin_version()          # what the dataset rows record
+    assert tags["lora_opt.twin_version"] == tracking.twin_version()    # what the dataset rows record
     assert tags["lora_opt.profile"] == PROFILE
-    assert tags["lora_opt.profile_hash"] == ds._profile_info(PROFILE)[1]
+    assert tags["lora_opt.profile_hash"] == tracking.profile_hash(load_profile(PROFILE))
     assert tags["lora_opt.seeds"] == '{"sampler": 3}'
     if (tracking.SOURCE_ROOT / ".git").exists():       # run from a checkout (CI, developers)
         assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", tags["lora_opt.git_commit"])
@@ -120,14 +120,14 @@ def test_commands_are_runs_with_provenance(tmp_path, capsys):
     (cal,), (ev,), (dset,) = (_runs(uri, e) for e in ("calibrate", "evaluate", "dataset"))
     for run in (cal, ev, dset):
         assert run.info.status == "FINISHED"
-        assert run.data.tags["lora_opt.twin_version"] == ds.twin_version()
+        assert run.data.tags["lora_opt.twin_version"] == tracking.twin_version()
         assert run.data.tags["lora_opt.version"] == tracking.package_version()
     assert cal.data.tags["lora_opt.profile_hash"] == hashlib.sha256(prof.read_bytes()).hexdigest()[:16]
     assert any(k.startswith("step_decode.") for k in cal.data.metrics)
     assert ev.data.tags["lora_opt.profile"] == PROFILE and ev.data.tags["lora_opt.seeds"] == '{"evaluation": 7}'
     assert ev.data.params["policy"] == "greedy-fast" and "throughput_tok_s" in ev.data.metrics
     assert {a.path for a in mlflow.MlflowClient(uri).list_artifacts(ev.info.run_id)} == {"placement.json"}
-    assert dset.data.tags["lora_opt.profile_hash"] == ds._profile_info(PROFILE)[1]
+    assert dset.data.tags["lora_opt.profile_hash"] == tracking.profile_hash(load_profile(PROFILE))
     # --no-track: no new run
     assert main(["calibrate", "--runs", RUNS_CSV, "--model", "llama-2-7b", "--out", str(prof), "--no-track"]) == 0
     assert len(_runs(uri, "calibrate")) == 1

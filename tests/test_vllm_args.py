@@ -22,10 +22,11 @@ import pytest
 from lora_opt.placement.plan import Adapter, GPUConfig, Placement
 from lora_opt.placement.report import write_outputs
 from lora_opt.errors import InputError
-from lora_opt.placement.vllm_launch import (DEFAULT_VLLM_VERSION, PINNED_SWITCHES, SERVE_ARG_TABLES, release_of,
-                                            resolve_vllm_version, serve_arg_table, serve_command, serve_options,
-                                            switch_spelling, validate_serve_args)
+from lora_opt.placement.vllm_launch import (PINNED_SWITCHES, SERVE_ARG_TABLES, release_of, resolve_vllm_version,
+                                            serve_arg_table, serve_command, serve_options, switch_spelling,
+                                            validate_serve_args)
 from twin import ScenarioError
+from twin.flags import DEFAULT_VLLM_VERSION
 from twin.parsing import MAX_ID_CHARS, MAX_PATH_CHARS, check_adapter_id, check_adapter_path
 from twin.profile import load_profile
 

@@ -1,25 +1,20 @@
 """vLLM's own router (PyPI ``vllm-router`` 0.1.17, the optional extra ``lora-opt[router]``) in front of
 emulated instances vs the fleet twin: ``experiments/fleet_router/vllm_router.py`` on a short stream.
 
-Skipped unless the ``vllm-router`` executable is found ($VLLM_ROUTER_BIN, PATH, or this Python's bin)."""
+Skipped unless the ``vllm-router`` executable is found ($VLLM_ROUTER_BIN, PATH, this Python's bin, or the
+real-vLLM tier's, which tools/vllm_tier/build.sh installs: CI runs this test)."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_router_health import _vllm_router_binary as router_binary
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def router_binary() -> str | None:
-    found = os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
-    here = Path(sys.executable).parent / "vllm-router"
-    return found or (str(here) if here.exists() else None)
 
 
 @pytest.mark.slow
@@ -31,7 +26,10 @@ def test_vllm_router_in_front_of_emulated_instances_vs_the_fleet_twin(tmp_path):
     unseeded draws are not the twin's, so the two sides route different random splits)."""
     binary = router_binary()
     if binary is None:
-        pytest.skip("vllm-router is not installed: pip install 'lora-opt[router]' (or set VLLM_ROUTER_BIN)")
+        why = "vllm-router is not installed: pip install 'lora-opt[router]' (or set VLLM_ROUTER_BIN)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}; CI installs it (tools/vllm_tier/build.sh, the README's test command)")
+        pytest.skip(why)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "fleet_router" / "vllm_router.py"),
                         "--instances", "3", "--duration-s", "40", "--speed", "2", "--router-bin", binary,

@@ -34,14 +34,16 @@ from numba.experimental import structref
 
 import twin.numba_cache  # noqa: F401  (before any @njit(cache=True))
 from twin.engine_queues import NONE
+from twin.flags import KERNEL_FLAGS, flag_type
 
 Config = namedtuple("Config", [
-    "max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "kv_blocks",
-    "block_size", "lora_set_rule", "reserve_full_prompt", "chunked_prefill", "cache_policy",
-    "duration", "max_inflight", "drop_overflow", "ts_interval"])
-"""Engine configuration (ints, flags, seconds)."""
-_CONFIG_TYPES = ([types.int64] * 7 + [types.boolean, types.boolean, types.int64, types.float64, types.int64,
-                                      types.boolean, types.float64])
+    *KERNEL_FLAGS, "kv_blocks", "block_size", "lora_set_rule", "reserve_full_prompt", "chunked_prefill",
+    "cache_policy", "duration", "max_inflight", "drop_overflow", "ts_interval"])
+"""Engine configuration: the engine flags the kernel reads (``twin.flags.KERNEL_FLAGS``, the one
+list), then the rest (ints, switches, seconds)."""
+_CONFIG_TYPES = ([types.float64 if flag_type(name) is float else types.int64 for name in KERNEL_FLAGS]
+                 + [types.int64] * 3 + [types.boolean, types.boolean, types.int64, types.float64, types.int64,
+                                        types.boolean, types.float64])
 
 Latency = namedtuple("Latency", [
     "base_ms", "per_seq_ms", "per_token_ms", "per_ctx_ktoken_ms", "lora_jump", "lora_slope",

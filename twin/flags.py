@@ -6,11 +6,13 @@ vLLM's default in the docstring under each field -- and :meth:`EngineFlagChecks.
 every check on them, the per-field ones and the cross-field rules vLLM enforces at start-up
 (``max_cpu_loras >= max_loras``, ``max_num_batched_tokens >= max_num_seqs``).  A flag left None
 is unset (vLLM's, or the profile's, default applies) and is not checked.  :func:`resolve_flags` is the
-one resolution of unset flags -- the defaults of a (model, GPU, vLLM version), then vLLM's own rules
-for the flags it derives from others -- and every resolved set of flags (a scenario's
-``Scenario.resolved_engine``, a placement's per-GPU ``policies.base.gpu_config``) comes from it;
-:func:`flag_values` is the one walk over the flags (resolution, per-GPU flags, launch commands), so a
-field added to :class:`EngineFlags` reaches all of them (``tests/test_extension_points.py``).
+one resolution of unset flags -- the defaults of a (model, GPU, vLLM version), then the release's
+own rules for the flags it derives from others and its refusal (``twin.flag_rules``) -- and every
+resolved set of flags (a scenario's ``Scenario.resolved_engine``, a placement's per-GPU
+``policies.base.gpu_config``) comes from it; ``Profile.startup_check`` takes the resolved flags
+object and the kernel's ``Config`` starts with :data:`KERNEL_FLAGS`; :func:`flag_values` is the one
+walk over the flags (resolution, per-GPU flags, launch commands), so a field added to
+:class:`EngineFlags` reaches all of them (``tests/test_extension_points.py``).
 
 Four places hold engine flags, each in the form its file has always had (their YAML/JSON keys are
 part of the user-facing formats and do not change):
@@ -59,6 +61,12 @@ def release_key(version: str | None) -> tuple[int, int] | None:
     admission rules, the emulator's imitated release)."""
     m = _RELEASE.match(version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+#: the vLLM release (major.minor) lora-opt targets when neither ``--vllm-version`` nor the profile
+#: names one it knows: launch commands are written for it (``lora_opt.placement.vllm_launch``) and the
+#: emulator imitates it (``lora_opt.emulate.vllm_versions``) -- the newest release lora-opt has read
+DEFAULT_VLLM_VERSION = "0.33"
 
 
 class EngineFlagChecks:
@@ -114,23 +122,33 @@ def check_rank(rank: int, where: str, error: type[Exception] = ScenarioError) ->
                     f"(vLLM's max_lora_rank values: {list(VLLM_LORA_RANKS)})")
 
 
+def engine_flag(*, kernel: bool = False, vllm_default: Any = None) -> Any:
+    """An :class:`EngineFlags` field (default None: unset) and what the rest of lora-opt reads off its
+    declaration: ``kernel`` -- the engine kernel reads it (:data:`KERNEL_FLAGS`, ``twin.engine_state.Config``);
+    ``vllm_default`` -- its value when neither the file nor the profile's defaults give one (a flag whose
+    default is the same on every GPU and release; the others' come from the profile)."""
+    return dataclasses.field(default=None, metadata={"kernel": kernel, "vllm_default": vllm_default})
+
+
 @dataclass(frozen=True)
 class EngineFlags(EngineFlagChecks):
     """The flags of one vLLM instance that the twin models (same names as ``vllm serve``);
-    None = unset: the profile's default for this (model, GPU, vLLM version) applies."""
+    None = unset: the profile's default for this (model, GPU, vLLM version) applies.  A flag is
+    declared here once, last (``GPUConfig`` makes the ones before it required again), with
+    :func:`engine_flag` when the kernel reads it or it has a default of its own."""
 
-    max_loras: int | None = None
+    max_loras: int | None = engine_flag(kernel=True)
     """``--max-loras``: GPU adapter slots (A_max), >= 1.  vLLM's default: 1."""
     max_lora_rank: int | None = None
     """``--max-lora-rank``: one of vLLM's allowed values 1 8 16 32 64 128 256 320 512; >= every
     adapter's rank.  vLLM's default: 16 (a scenario's default: the smallest allowed value that
     holds every adapter)."""
-    max_cpu_loras: int | None = None
+    max_cpu_loras: int | None = engine_flag(kernel=True)
     """``--max-cpu-loras``: CPU adapter cache, >= max_loras.  vLLM's default: max_loras."""
-    max_num_seqs: int | None = None
+    max_num_seqs: int | None = engine_flag(kernel=True)
     """``--max-num-seqs``: cap on running requests, >= 1.  vLLM's default depends on the GPU and
     the entry point (the profile records it)."""
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = engine_flag(kernel=True)
     """``--max-num-batched-tokens``: token budget of one step (chunked prefill), >= 1 and >=
     max_num_seqs (vLLM refuses to start otherwise).  vLLM's default depends on the GPU and the
     entry point (the profile records it)."""
@@ -143,6 +161,16 @@ class EngineFlags(EngineFlagChecks):
 
 
 FlagsT = TypeVar("FlagsT", bound=EngineFlags)
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineFlags)}
+
+#: the flags the engine kernel reads, in :class:`EngineFlags`' order: the first fields of its
+#: ``twin.engine_state.Config`` (the one list; a flag declared with ``engine_flag(kernel=True)`` joins it)
+KERNEL_FLAGS = tuple(name for name, f in _FIELDS.items() if f.metadata.get("kernel"))
+
+
+def flag_type(name: str) -> type:
+    """The Python type of flag ``name``'s values: ``float`` or ``int`` (every flag is one of them)."""
+    return float if "float" in str(_FIELDS[name].type) else int
 
 
 def flag_values(flags) -> dict[str, Any]:
@@ -163,30 +191,31 @@ def shared_flags(flags) -> dict[str, Any]:
     return {name: value for name, value in flag_values(flags).items() if name not in PER_INSTANCE_FLAGS}
 
 
-def resolve_flags(flags: FlagsT, defaults: Mapping[str, Any]) -> FlagsT:
+def resolve_flags(flags: FlagsT, defaults: Mapping[str, Any], rules) -> FlagsT:
     """``flags`` (of its own type) with every unset flag filled in, as vLLM fills them at start-up:
 
     1. a flag ``defaults`` has a value for takes it (a profile's defaults for its model, GPU and
-       vLLM version: ``Profile.flag_defaults``);
+       vLLM version: ``Profile.flag_defaults``), else its declared ``vllm_default`` (:func:`engine_flag`);
     2. ``max_cpu_loras``: ``max_loras`` (vLLM's ``LoRAConfig``);
-    3. ``max_num_seqs`` left to its default is at most the given ``max_num_batched_tokens`` -- vLLM
-       clamps its default (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``, 0.32)
-       rather than refuse to start;
-    4. ``max_num_batched_tokens`` left to its default is at most ``max_num_seqs x max_model_len``
-       (vLLM's ``SchedulerConfig``).
+    3. the release's derived defaults -- ``rules``: a ``twin.flag_rules.FlagRules``
+       (``Profile.flag_rules``): a defaulted budget without chunked prefill at least ``max_model_len``;
+       from vLLM 0.32 on, a defaulted budget at most ``max_num_seqs x max_model_len`` and a
+       defaulted ``max_num_seqs`` at most the budget;
+    4. the release's refusal: ``max_num_batched_tokens < max_num_seqs`` after 1-3 is a ScenarioError
+       naming ``engine.max_num_batched_tokens`` (an explicit pair is refused earlier, where the file is
+       read: :meth:`EngineFlagChecks.validate`).
 
-    A flag with no default anywhere stays None.  The flags a file *sets* are checked where it is read
-    (:meth:`EngineFlagChecks.validate`): only an explicit ``max_num_batched_tokens`` below an
-    explicit ``max_num_seqs`` is refused, as vLLM refuses it; a defaulted budget below an explicit
-    ``max_num_seqs`` is kept as it is (the calibration's real vLLM 0.8.5 runs set ``max_num_seqs``
-    up to 4096 and left the budget to its default, and they started)."""
+    A flag with no value anywhere stays None."""
     given = flag_values(flags)
-    out = {name: defaults.get(name) if value is None else value for name, value in given.items()}
+    out = {name: value if value is not None else _default(name, defaults) for name, value in given.items()}
     if given.get("max_cpu_loras", 0) is None:
         out["max_cpu_loras"] = out.get("max_loras")
-    seqs, tokens, model_len = (out.get(n) for n in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
-    if given.get("max_num_seqs", 0) is None and seqs is not None and given.get("max_num_batched_tokens") is not None:
-        out["max_num_seqs"] = min(seqs, tokens)
-    elif given.get("max_num_batched_tokens", 0) is None and None not in (seqs, tokens, model_len):
-        out["max_num_batched_tokens"] = min(tokens, seqs * model_len)
+    rules.derive(given, out)
+    rules.refuse(given, out)
     return dataclasses.replace(flags, **out)
+
+
+def _default(name: str, defaults: Mapping[str, Any]) -> Any:
+    value = defaults.get(name)
+    return _FIELDS[name].metadata.get("vllm_default") if value is None else value
+

@@ -2,7 +2,8 @@
 
 Numba's cache checks only the source file of the function it caches, not the files of the
 functions that function calls: the kernel, split over ``twin/engine*.py`` and
-``twin/adapter_cache.py`` (and the cost rules it compiles from ``twin/profile.py``), could load a stale compiled ``run_engine`` after an edit to one of its
+``twin/adapter_cache.py`` (and the cost rules it compiles from ``twin/profile.py``, its ``Config``'s
+flags from ``twin/flags.py``), could load a stale compiled ``run_engine`` after an edit to one of its
 callees.  Importing this module installs a cache locator whose source stamp is the hash of *every*
 kernel module, so an edit to any of them recompiles all of them.  Every kernel module imports it
 before its first ``@njit(cache=True)``.
@@ -15,9 +16,10 @@ from pathlib import Path
 from numba.core import caching
 
 _TWIN = Path(__file__).resolve().parent
-# profile.py: the step-cost rules the kernel compiles from it (lora_prefill_share, lora_token_cost, lora_extra)
+# profile.py: the step-cost rules the kernel compiles from it (lora_prefill_share, lora_token_cost, lora_extra);
+# flags.py: the engine flags of the kernel's Config (KERNEL_FLAGS)
 KERNEL_FILES = tuple(sorted([*map(str, _TWIN.glob("engine*.py")), str(_TWIN / "adapter_cache.py"),
-                             str(_TWIN / "profile.py")]))
+                             str(_TWIN / "profile.py"), str(_TWIN / "flags.py")]))
 
 
 def kernel_stamp() -> str:

@@ -281,12 +281,20 @@ def read_text_file(path: str | Path, what: str, error: type[Exception] = Scenari
 
 def read_config_file(path: str | Path, what: str = "scenario", error: type[Exception] = ScenarioError):
     """The parsed content of a YAML (or .json) file, read with :func:`read_text_file`'s limits and
-    parsed by :func:`parse_yaml_text` / :func:`parse_json_text`; ``error`` if missing or malformed."""
+    parsed by :func:`parse_yaml_text` / :func:`parse_json_text`; ``error`` if missing or malformed.
+    With :func:`read_json_file`, the one reader of every file a user hands in (tests/test_house.py)."""
     p = Path(path)
     text = read_text_file(p, what, error)
     if p.suffix.lower() == ".json":
         return parse_json_text(text, str(p), error)
     return parse_yaml_text(text, str(p), error)
+
+
+def read_json_file(path: str | Path, what: str, error: type[Exception] = ScenarioError, *, allow_nan: bool = False):
+    """The parsed content of a JSON file whatever its name, read with :func:`read_text_file`'s limits
+    and parsed by :func:`parse_json_text` (``allow_nan``: NaN and Infinity read as floats, as in the
+    files lora-opt writes itself, e.g. a run's results); ``error`` if missing or malformed."""
+    return parse_json_text(read_text_file(path, what, error), str(path), error, allow_nan=allow_nan)
 
 
 #: the longest adapter id and adapter path accepted

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from twin.errors import ScenarioError
-from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks, flag_values  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
+from twin.flag_rules import FlagRules, flag_rules
+from twin.flags import VLLM_LORA_RANKS, EngineFlagChecks, EngineFlags, flag_values  # noqa: F401 - VLLM_LORA_RANKS: callers import it from here
 from twin.parsing import read_config_file
 from twin.paths import bundled_names, resolve_bundled
 
@@ -406,6 +407,11 @@ class Profile:
         context as ``max_model_len`` (what ``twin.flags.resolve_flags`` fills unset flags from)."""
         return {**flag_values(self.defaults), "max_model_len": self.model.max_model_len}
 
+    def flag_rules(self) -> FlagRules:
+        """This vLLM release's rules for the flags it derives from others and its refusal
+        (``twin.flag_rules``; ScenarioError for a release lora-opt has not read)."""
+        return flag_rules(self.vllm_version, self.chunked_prefill, f"profile {self.name}.vllm_version")
+
     # ---- memory -------------------------------------------------------------------------------
     def slot_bytes(self, max_lora_rank: int) -> float:
         """GPU bytes of one LoRA slot, padded to ``max_lora_rank``."""
@@ -438,16 +444,16 @@ class Profile:
         blocks = math.floor(avail / block_bytes)
         return blocks * self.memory.block_size
 
-    def startup_check(self, max_loras: int, max_lora_rank: int, gpu_memory_utilization: float,
-                      max_num_batched_tokens: int, max_model_len: int | None = None,
-                      max_num_seqs: int | None = None) -> tuple[bool, int, str]:
-        """(starts, kv_tokens, reason). vLLM refuses to start when the LoRA buffers do not fit
-        or the KV cache cannot hold one ``max_model_len`` request."""
-        mml = max_model_len or self.model.max_model_len
-        kv = self.kv_capacity_tokens(max_loras, max_lora_rank, gpu_memory_utilization,
-                                     max_num_batched_tokens, max_num_seqs=max_num_seqs)
-        budget = gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
-        weights_and_slots = self.memory.weights_gib * GIB + max_loras * self.slot_bytes(max_lora_rank)
+    def startup_check(self, flags: EngineFlags) -> tuple[bool, int, str]:
+        """(starts, kv_tokens, reason) of an instance with these flags (resolved: ``twin.flags.resolve_flags``;
+        ``max_model_len`` None = the model's context, ``max_num_seqs`` None = the value the overhead
+        was measured at).  vLLM refuses to start when the LoRA buffers do not fit or the KV cache
+        cannot hold one ``max_model_len`` request."""
+        mml = flags.max_model_len or self.model.max_model_len
+        kv = self.kv_capacity_tokens(flags.max_loras, flags.max_lora_rank, flags.gpu_memory_utilization,
+                                     flags.max_num_batched_tokens, max_num_seqs=flags.max_num_seqs)
+        budget = flags.gpu_memory_utilization * self.memory.gpu_memory_gib * GIB
+        weights_and_slots = self.memory.weights_gib * GIB + flags.max_loras * self.slot_bytes(flags.max_lora_rank)
         if weights_and_slots > budget and self.memory.kv_cache_gib <= 0:
             return False, max(kv, 0), "LoRA slots do not fit: CUDA OOM while loading the model"
         if kv < mml:

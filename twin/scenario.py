@@ -20,7 +20,7 @@ from twin.adapter_cache import POLICIES as CACHE_POLICIES
 from twin.arrivals import PROCESSES
 from twin.bundled_data import TRACES
 from twin.errors import ScenarioError
-from twin.flags import EngineFlags, check_rank, max_lora_rank_for, resolve_flags
+from twin.flags import EngineFlags, check_rank, flag_values, max_lora_rank_for, resolve_flags
 from twin.parsing import build_dataclass, check_adapter_id, check_choice, check_positive, read_config_file
 from twin.paths import resolve_bundled
 from twin.profile import Profile, load_profile
@@ -181,10 +181,15 @@ class Scenario:
 
     def resolved_engine(self, profile: Profile) -> EngineConfig:
         """The engine's flags with every unset one filled in (``twin.flags.resolve_flags``) from the
-        profile's defaults, ``max_lora_rank`` excepted: the smallest vLLM value that holds every
-        adapter, not the profile's (vLLM refuses an adapter above it)."""
+        profile's defaults and its vLLM release's rules, ``max_lora_rank`` excepted: the smallest vLLM
+        value that holds every adapter, not the profile's (vLLM refuses an adapter above it).  An
+        engine with every flag set (a placement GPU's, resolved once: ``policies.base.gpu_config``)
+        is the resolved one as it is."""
+        if None not in flag_values(self.engine).values():
+            return self.engine
         _, ranks, _ = self.adapter_table()
-        return resolve_flags(self.engine, {**profile.flag_defaults(), "max_lora_rank": max_lora_rank_for(ranks)})
+        return resolve_flags(self.engine, {**profile.flag_defaults(), "max_lora_rank": max_lora_rank_for(ranks)},
+                             profile.flag_rules())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -220,8 +225,10 @@ def parse_lengths(value, where: str, error: type[Exception] = ScenarioError) -> 
     return build_dataclass(LengthConfig, value, where, error)
 
 
-def scenario_from_dict(data: Any, where: str = "scenario") -> Scenario:
-    """A validated ``Scenario`` from its YAML form (a mapping); ScenarioError names the field."""
+def scenario_from_dict(data: Any, where: str = "scenario", *, engine: EngineConfig | None = None) -> Scenario:
+    """A validated ``Scenario`` from its YAML form (a mapping); ScenarioError names the field.
+    ``engine``: the engine section already typed (:func:`build_scenario`'s flags), instead of the
+    mapping's."""
     if not isinstance(data, dict):
         raise ScenarioError(f"{where}: expected a mapping at the top level")
     sc = build_dataclass(Scenario, data, where,
@@ -230,6 +237,8 @@ def scenario_from_dict(data: Any, where: str = "scenario") -> Scenario:
                          arrivals=lambda v, w: build_dataclass(ArrivalConfig, v, w),
                          client=lambda v, w: build_dataclass(ClientConfig, v, w),
                          lengths=parse_lengths)
+    if engine is not None:
+        sc = dataclasses.replace(sc, engine=engine)
     validate(sc, where)
     return sc
 
@@ -369,7 +378,16 @@ def build_scenario(profile: str, adapters: Iterable[Mapping | AdapterGroup], *, 
                    lengths=None, duration_s: float | None = None, rho: float | None = None,
                    seed: int | None = None, early_stop: bool | None = None, client=None,
                    where: str = "scenario") -> Scenario:
-    """The validated ``Scenario`` of :func:`scenario_dict` (same arguments); errors name ``where``."""
-    return scenario_from_dict(scenario_dict(profile, adapters, engine=engine, arrivals=arrivals, lengths=lengths,
-                                            duration_s=duration_s, rho=rho, seed=seed, early_stop=early_stop,
-                                            client=client), where)
+    """The validated ``Scenario`` of :func:`scenario_dict` (same arguments); errors name ``where``.
+    An engine given as flags (``twin.flags.EngineFlags``, e.g. a placement GPU's resolved
+    ``GPUConfig``) is taken as it is, not through its YAML form."""
+    flags = engine_config(engine) if isinstance(engine, EngineFlags) else None
+    d = scenario_dict(profile, adapters, engine=None if flags is not None else engine, arrivals=arrivals,
+                      lengths=lengths, duration_s=duration_s, rho=rho, seed=seed, early_stop=early_stop, client=client)
+    return scenario_from_dict(d, where, engine=flags)
+
+
+def engine_config(flags: EngineFlags) -> EngineConfig:
+    """A scenario's engine section with these flags (itself when it is one; the adapter cache's
+    default policy otherwise)."""
+    return flags if isinstance(flags, EngineConfig) else EngineConfig(**flag_values(flags))

@@ -18,6 +18,7 @@ import numpy as np
 from twin.adapter_cache import POLICIES
 from twin.engine import LORA_SET_RUNNING, LORA_SET_SCHEDULED, run_engine
 from twin.errors import ScenarioError
+from twin.flags import KERNEL_FLAGS
 from twin.engine_state import Config, EarlyStop, EngineState, KernelRun, Latency, make_state
 from twin.profile import Profile
 from twin.scenario import EngineConfig, Scenario
@@ -300,6 +301,19 @@ def _early_stop(sc: Scenario, profile: Profile, eng: EngineConfig, req: Requests
     return EarlyStop(stop_target, cap, factor, kv_tokens, *work_buckets(profile.latency, eng, req.in_len, req.out_len))
 
 
+def kernel_config(sc: Scenario, profile: Profile, eng: EngineConfig, kv_tokens: int) -> Config:
+    """The kernel's ``Config``: the resolved flags it reads (``twin.flags.KERNEL_FLAGS``), then the KV
+    cache, the profile's engine rules and the scenario's window and client."""
+    block = profile.memory.block_size
+    return Config(
+        *(getattr(eng, name) for name in KERNEL_FLAGS), kv_blocks=kv_tokens // block, block_size=block,
+        lora_set_rule=LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
+        reserve_full_prompt=profile.reserve_full_prompt, chunked_prefill=profile.chunked_prefill,
+        cache_policy=POLICIES[eng.adapter_cache_policy].code, duration=float(sc.duration_s),
+        max_inflight=sc.client.max_inflight if sc.client.max_inflight is not None else NO_CLIENT_CAP,
+        drop_overflow=sc.client.overflow == "drop", ts_interval=sc.timeseries_interval_s)
+
+
 def engine_state(sc: Scenario, profile: Profile, eng: EngineConfig, req: Requests, kv_tokens: int,
                  stop_grace_s: float = 0.0, preloaded: np.ndarray | None = None) -> EngineState:
     """The engine kernel's state at t = 0 for ``req`` (see ``twin.engine``: ``run_engine`` runs it
@@ -312,15 +326,7 @@ def engine_state(sc: Scenario, profile: Profile, eng: EngineConfig, req: Request
     cpu_ms = np.array([profile.loading.cpu_ms(int(r)) for r in distinct], np.float64)[of_rank]
     disk_ms = np.array([profile.loading.disk_ms(int(r)) for r in distinct], np.float64)[of_rank]
     residency = _initial_residency(len(ranks), eng.max_loras, eng.max_cpu_loras, preloaded)
-    block = profile.memory.block_size
-    cfg = Config(
-        max_loras=eng.max_loras, max_cpu_loras=eng.max_cpu_loras, max_num_seqs=eng.max_num_seqs,
-        max_num_batched_tokens=eng.max_num_batched_tokens, kv_blocks=kv_tokens // block, block_size=block,
-        lora_set_rule=LORA_SET_SCHEDULED if profile.lora_set_rule == "scheduled" else LORA_SET_RUNNING,
-        reserve_full_prompt=profile.reserve_full_prompt, chunked_prefill=profile.chunked_prefill,
-        cache_policy=POLICIES[eng.adapter_cache_policy].code, duration=float(sc.duration_s),
-        max_inflight=sc.client.max_inflight if sc.client.max_inflight is not None else NO_CLIENT_CAP,
-        drop_overflow=sc.client.overflow == "drop", ts_interval=sc.timeseries_interval_s)
+    cfg = kernel_config(sc, profile, eng, kv_tokens)
     return make_state((req.arrival, req.in_len, req.out_len, req.adapter), cpu_ms, disk_ms, residency, cfg,
                       kernel_latency(profile.latency, eng.max_lora_rank, eng.max_loras),
                       _early_stop(sc, profile, eng, req, kv_tokens, stop_grace_s))
@@ -337,9 +343,7 @@ def simulate(sc: Scenario, profile: Profile | None = None, *, timeseries: bool =
     t_wall = time.perf_counter()
     profile = profile or sc.load_profile()
     eng = sc.resolved_engine(profile)
-    starts, kv_tokens, reason = profile.startup_check(
-        eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization,
-        eng.max_num_batched_tokens, eng.max_model_len, eng.max_num_seqs)
+    starts, kv_tokens, reason = profile.startup_check(eng)
     if not profile.chunked_prefill and eng.max_num_batched_tokens < eng.max_model_len:
         raise ScenarioError(
             f"engine.max_num_batched_tokens: {eng.max_num_batched_tokens} < max_model_len "

@@ -112,10 +112,12 @@ def draw_lengths(sc: Scenario, rng: np.random.Generator, n: int, max_model_len: 
         o = np.rint(rng.normal(ln.mean_out, ln.std_out, n)).astype(np.int64)
     else:  # pragma: no cover - validated earlier
         raise ScenarioError(f"lengths.source: {ln.source!r} has no sampler here")
-    return _fit_context(i, o, max_model_len)
+    return fit_context(i, o, max_model_len)
 
 
-def _fit_context(i, o, max_model_len):
+def fit_context(i, o, max_model_len):
+    """Prompt and output lengths (each >= 1) cut to fit ``max_model_len``: the output first to
+    ``max_model_len - 1``, then the prompt to what is left (as a client truncating its prompt would)."""
     i = np.maximum(np.asarray(i, np.int64), 1)
     o = np.maximum(np.asarray(o, np.int64), 1)
     # a request must fit the context: shorten the prompt first, as a client truncating it would
@@ -223,7 +225,7 @@ def generate_requests(sc: Scenario, max_model_len: int) -> Requests:
     t, ad = t[order], ad[order]
     n = t.shape[0]
     if sc.lengths.source == "trace":
-        i, o = _fit_context(ti[order], to[order], max_model_len)
+        i, o = fit_context(ti[order], to[order], max_model_len)
     else:
         i, o = draw_lengths(sc, rng_len, n, max_model_len)
     # int32 keeps a 700k-request hour well under 200 MB

@@ -27,33 +27,21 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
+from router_common import (POLICIES, SESSION_HEADER, VERSION, command_line, hash_map_lines, log_results, parse_args,
+                           prepare_out, probe_hash_map, served, side_rows, start_router, stop, stream, twin)
 
 from lora_opt.emulate.client import replay, summarise
 from lora_opt.emulate.fleet import free_ports
-from lora_opt.placement.instances import routing_seed
-from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
-from twin.fleet import FleetEngine, simulate_fleet
-from twin.routers import RouterSetup, make_router
-from twin.scenario import scenario_from_dict
-from twin.workload import generate_requests
+from lora_opt.tracking import tracked_run
 
 OUT = Path(__file__).resolve().parent
-VERSION = "0.1.17"
-#: vllm-router policy -> the fleet twin's policy of the same name
-POLICIES = {"round_robin": "round-robin", "power_of_two": "power-of-two", "consistent_hash": "consistent-hash"}
-#: the header the client puts the adapter id in (vllm-router's consistent_hash hashes it first)
-SESSION_HEADER = "X-Session-ID"
 
 
 def instance_scenario(duration_s: float) -> dict:
@@ -63,16 +51,6 @@ def instance_scenario(duration_s: float) -> dict:
             "engine": {"max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512},
             "adapters": [{"count": 6, "rank": 8, "rate": 0.5}, {"count": 4, "rank": 16, "rate": 1.0}],
             "lengths": {"source": "mean", "mean_in": 200, "mean_out": 40}, "duration_s": duration_s, "seed": 1}
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def start_emulator(scenario: Path, base: int, k: int, speed: float, seed: int) -> subprocess.Popen:
@@ -85,61 +63,11 @@ def start_emulator(scenario: Path, base: int, k: int, speed: float, seed: int) -
     raise RuntimeError(f"emulator exited: {proc.wait()} {proc.stderr.read()}")
 
 
-def start_router(binary: str, port: int, urls: list[str], policy: str, log: Path) -> subprocess.Popen:
-    import httpx
-    with log.open("w") as f:
-        proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-                                 "--policy", policy, "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
-    with httpx.Client(timeout=2, trust_env=False) as c:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if c.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    stop(proc)
-    raise RuntimeError("vllm-router did not become ready in 60 s")
-
-
-def served(urls: list[str]) -> np.ndarray:
-    """Requests each instance finished (``vllm:request_success_total``, every reason)."""
-    import httpx
-    out = []
-    with httpx.Client(timeout=10, trust_env=False) as c:
-        for u in urls:
-            text = c.get(u + "/metrics").text
-            out.append(sum(float(line.split()[-1]) for line in text.splitlines()
-                           if line.startswith("vllm:request_success_total{")))
-    return np.array(out, np.int64)
-
-
 def stats(urls: list[str]) -> float:
     """The instances' worst engine lag p99 (wall ms)."""
     import httpx
     with httpx.Client(timeout=10, trust_env=False) as c:
         return max(c.get(u + "/emulator/stats").json()["lag_ms"]["p99"] for u in urls)
-
-
-def probe_hash_map(router: str, urls: list[str], ids: list[str]) -> dict[str, int]:
-    """Which instance vllm-router's consistent_hash sends each adapter to: one request per adapter
-    (its id in ``X-Session-ID``), the instance whose served count moved."""
-    import httpx
-    out = {}
-    with httpx.Client(timeout=60, trust_env=False) as c:
-        for a in ids:
-            before = served(urls)
-            r = c.post(router + "/v1/completions", headers={SESSION_HEADER: a},
-                       json={"model": a, "prompt": [1, 2, 3], "max_tokens": 1, "ignore_eos": True})
-            r.raise_for_status()
-            moved = np.flatnonzero(served(urls) - before)
-            if len(moved) != 1:
-                raise RuntimeError(f"probe of {a}: instances {moved.tolist()} moved")
-            out[a] = int(moved[0])
-    return out
 
 
 def warm_up(scenario: Path, a, model: str) -> None:
@@ -156,25 +84,6 @@ def warm_up(scenario: Path, a, model: str) -> None:
                        json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}).raise_for_status()
     finally:
         stop(emu)
-
-
-def fleet_numbers(fr) -> dict:
-    res = [r for r in fr.engines if r.samples]
-    ttft = np.concatenate([r.samples["ttft_ms"] for r in res])
-    itl = sum(float((r.samples["itl_ms"] * r.samples["itl_count"]).sum()) for r in res)
-    count = sum(int(r.samples["itl_count"].sum()) for r in res)
-    k = len(fr.engines)
-    shares = np.bincount(fr.engine_of[fr.engine_of >= 0], minlength=k) / max(1, int((fr.engine_of >= 0).sum()))
-    return {"throughput_tok_s": sum(r.throughput_tok_s for r in fr.engines), "ttft_mean_ms": float(ttft.mean()),
-            "itl_mean_ms": itl / count, "shares": shares.round(4).tolist()}
-
-
-def twin(one, req, ids: list[str], k: int, seed: int, policy: str, routes: dict | None = None) -> dict:
-    n = len(ids)
-    engines = [FleetEngine(one, np.arange(n)) for _ in range(k)]
-    setup = RouterSetup(k, ids, seed=routing_seed(seed),
-                        routes=routes or {a: [(e, 1.0) for e in range(k)] for a in range(n)})
-    return fleet_numbers(simulate_fleet(engines, req, make_router(policy, setup)))
 
 
 def run_policy(a, policy: str, scenario: Path, one, req, ids: list[str]) -> dict:
@@ -225,45 +134,6 @@ def run_policy(a, policy: str, scenario: Path, one, req, ids: list[str]) -> dict
             "twin_as_routed": as_routed, "hash_map": hash_map}
 
 
-def _ratio(x: dict, y: dict, key: str) -> float:
-    return x[key] / y[key] if y[key] else float("nan")
-
-
-def side_rows(results: list[dict]) -> list[str]:
-    """The shares table's rows (this script's and vllm_router_real.py's): per policy, vllm-router as measured,
-    the twin with the same policy, the twin as routed."""
-    rows = []
-    for r in results:
-        m = r["vllm_router"]
-        for side, d in (("vllm-router (measured)", m), (f"twin `{r['twin_policy']}`", r["twin_same_policy"]),
-                        ("twin as routed", r["twin_as_routed"])):
-            rows.append(f"| `{r['policy']}` | {side} | {' / '.join(f'{s:.2f}' for s in d['shares'])} | "
-                        f"{d['throughput_tok_s']:.0f} | {d['ttft_mean_ms']:.0f} | {d['itl_mean_ms']:.1f} | "
-                        f"{_ratio(d, m, 'ttft_mean_ms'):.2f} |")
-    return rows
-
-
-def common_args(ap, router_default: str | None, router_help: str, out: Path) -> None:
-    """The options both scripts take beside their own: seed, policies, the router binary, out (default ``out``),
-    tracking."""
-    ap.add_argument("--seed", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    ap.add_argument("--router-bin", default=router_default, help=router_help)
-    ap.add_argument("--out", default=str(out))
-    ap.add_argument("--tracking-uri")
-    ap.add_argument("--no-track", action="store_true", help="no MLflow run")
-
-
-def log_results(a, results: list[dict], params: dict) -> None:
-    """The MLflow run's params (``params``, the policies) and every side's numbers per policy; ``a.out``'s files."""
-    import mlflow
-    mlflow.log_params({"vllm_router_version": VERSION, **params, "seed": a.seed, "policies": ",".join(a.policies)})
-    for r in results:
-        log_flat_metrics(r["policy"], {k: {m: v for m, v in d.items() if m not in ("shares", "served")}
-                                       for k, d in r.items() if isinstance(d, dict) and k != "hash_map"})
-    log_dir(a.out)
-
-
 def report(results: list[dict], a, command: str) -> str:
     lines = [f"# vLLM's router (vllm-router {VERSION}) in front of {a.instances} emulated instances vs the fleet twin",
              "", f"Command: `{command}`", "",
@@ -291,10 +161,7 @@ def report(results: list[dict], a, command: str) -> str:
               "* `round_robin` \"as routed\" is the twin's counter from instance 0; vllm-router's starts at the "
               "first worker of its own (unsorted) list, so the same requests may go to other instances (the "
               "shares agree; the instances' request sets, hence their queues, differ).", ""]
-    for r in results:
-        if r["hash_map"]:
-            lines.append(f"vllm-router's consistent_hash map (adapter -> instance): {r['hash_map']}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + hash_map_lines(results)) + "\n"
 
 
 def main() -> None:
@@ -302,22 +169,15 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--duration-s", type=float, default=60.0, help="simulated seconds of the stream")
     ap.add_argument("--speed", type=float, default=2.0, help="emulator speed (simulated s per wall s)")
-    common_args(ap, os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router"),
-                "the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH)", OUT)
-    a = ap.parse_args()
-    if not a.router_bin:
-        sys.exit("vllm-router not found: pip install 'lora-opt[router]' (or set VLLM_ROUTER_BIN)")
-    a.out = Path(a.out)
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.logs = Path(tempfile.mkdtemp(prefix="fleet_router_"))     # the routers' logs and the instance scenario
+    a = parse_args(ap, os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router"),
+                   "the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH)", OUT)
+    prepare_out(a, "fleet_router_")     # a.logs: the routers' logs and the instance scenario
     inst = instance_scenario(a.duration_s)
     scenario = a.logs / "instance.yaml"
     scenario.write_text(yaml.safe_dump(inst))
-    one = scenario_from_dict(inst)
-    fleet = scenario_from_dict({**inst, "adapters": [{**g, "rate": g["rate"] * a.instances} for g in inst["adapters"]]})
-    req = generate_requests(fleet, fleet.resolved_engine(fleet.load_profile()).max_model_len)
-    ids = list(one.adapter_table()[0])
-    command = "python experiments/fleet_router/vllm_router.py " + shlex.join(sys.argv[1:])
+    one, req, ids = stream(inst, {**inst, "adapters": [{**g, "rate": g["rate"] * a.instances}
+                                                       for g in inst["adapters"]]})
+    command = command_line("vllm_router.py")
     t0 = time.time()
     with tracked_run("fleet-router", run_name=f"vllm-router-{VERSION}-k{a.instances}", tracking_uri=a.tracking_uri,
                      track=not a.no_track):

@@ -9,7 +9,7 @@ adapters (ranks 8 and 16) -- vs the fleet twin with the CPU profile fitted to ex
     python experiments/fleet_router/vllm_router_real.py [--duration-s 90] [--rate 0.5]
 
 The sibling of ``vllm_router.py`` (which puts the router in front of emulated instances and explains what
-vllm-router 0.1.17 does per policy; its helpers are reused here).  The K instances start once (instance i's
+vllm-router 0.1.17 does per policy); what both share is ``router_common.py``.  The K instances start once (instance i's
 forward passes bound to core i: ``VLLM_CPU_OMP_THREADS_BIND``; block size 128, ``--max-model-len 2048``,
 ``--enforce-eager``, no prefix caching: the settings of ``experiments/real_validation/cpu_loop.py``), are
 warmed (each adapter once on each instance), and serve every policy in turn: per policy a fresh
@@ -30,38 +30,31 @@ import asyncio
 import importlib.util
 import json
 import os
-import shlex
 import shutil
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from router_common import (POLICIES, SESSION_HEADER, VERSION, command_line, hash_map_lines, log_results, parse_args,
+                           prepare_out, probe_hash_map, served, side_rows, start_router, stop, stream, twin)
 
 from lora_opt.emulate.client import replay, summarise
 from lora_opt.emulate.fleet import free_ports
 from lora_opt.probe.launch import LaunchedServer, ServeCommand
 from lora_opt.tracking import tracked_run
-from twin.scenario import scenario_from_dict
-from twin.workload import generate_requests
 
 
 def load_by_path(name: str, path: Path):
-    """A script of experiments/ as a module, by its path (the sibling ``vllm_router.py``: the ``vllm-router``
-    wheel installs a package of that name)."""
+    """A script of another experiments/ folder as a module, by its path (experiments/ is not a package)."""
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-_h = load_by_path("fleet_router_helpers", Path(__file__).with_name("vllm_router.py"))
-# the real server's tier and environment: the loop's (experiments/real_validation/cpu_loop.py), one owner
-_loop = load_by_path("real_validation_cpu_loop", Path(__file__).resolve().parents[1] / "real_validation" / "cpu_loop.py")
-tier_dir, load_probe_tier, server_env = _loop.tier_dir, _loop.load_probe_tier, _loop.server_env
-POLICIES, SESSION_HEADER, VERSION = _h.POLICIES, _h.SESSION_HEADER, _h.VERSION
-common_args, log_results, probe_hash_map, served, side_rows, start_router, stop, twin = (
-    _h.common_args, _h.log_results, _h.probe_hash_map, _h.served, _h.side_rows, _h.start_router, _h.stop, _h.twin)
+# the real server's tier and environment: the loop's (experiments/real_validation/cpu_tier.py), one owner
+_tier = load_by_path("real_validation_cpu_tier", Path(__file__).resolve().parents[1] / "real_validation" / "cpu_tier.py")
+tier_dir, load_probe_tier, server_env = _tier.tier_dir, _tier.load_probe_tier, _tier.server_env
 OUT = Path(__file__).resolve().parent / "real"
 PROFILE = "probe-llama-cpu-vllm032"
 #: served name -> the tier's probe-size adapter (two of rank 8, two of rank 16)
@@ -183,10 +176,7 @@ def report(results: list[dict], a, command: str, n: int) -> str:
               "which vLLM does not serve); `consistent_hash` its own ring over the worker URLs, keyed by "
               "`X-Session-ID` (\"twin as routed\" = the map it chose, probed before the stream). `power_of_two` "
               "draws are vllm-router's own (unseeded): its shares are one draw, not the twin's.", ""]
-    for r in results:
-        if r["hash_map"]:
-            lines.append(f"vllm-router's consistent_hash map (adapter -> instance): {r['hash_map']}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + hash_map_lines(results)) + "\n"
 
 
 def main() -> None:
@@ -195,22 +185,14 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=90.0, help="wall seconds of each policy's stream")
     ap.add_argument("--rate", type=float, default=0.5, help="the stream's total rate (req/s, all instances)")
     tier_router = tier_dir() / "router-venv" / "bin" / "vllm-router"
-    common_args(ap, os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
-                or (str(tier_router) if tier_router.exists() else None),
-                "the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH, else the tier's)", OUT)
-    a = ap.parse_args()
-    if not a.router_bin:
-        sys.exit("vllm-router not found: pip install 'lora-opt[router]' (or set VLLM_ROUTER_BIN)")
+    a = parse_args(ap, os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
+                   or (str(tier_router) if tier_router.exists() else None),
+                   "the vllm-router executable (default: $VLLM_ROUTER_BIN, else on PATH, else the tier's)", OUT)
     tier = load_probe_tier()
-    a.out = Path(a.out)
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.logs = Path(tempfile.mkdtemp(prefix="fleet_router_real_"))
-    inst = instance_scenario(a.rate / a.instances, a.duration_s, a.seed)
-    one = scenario_from_dict(inst)
-    fleet = scenario_from_dict(instance_scenario(a.rate, a.duration_s, a.seed))
-    req = generate_requests(fleet, fleet.resolved_engine(fleet.load_profile()).max_model_len)
-    ids = list(one.adapter_table()[0])
-    command = "python experiments/fleet_router/vllm_router_real.py " + shlex.join(sys.argv[1:])
+    prepare_out(a, "fleet_router_real_")
+    one, req, ids = stream(instance_scenario(a.rate / a.instances, a.duration_s, a.seed),
+                           instance_scenario(a.rate, a.duration_s, a.seed))
+    command = command_line("vllm_router_real.py")
     t0 = time.time()
     with tracked_run("fleet-router", run_name=f"vllm-router-{VERSION}-real-k{a.instances}",
                      tracking_uri=a.tracking_uri, track=not a.no_track):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from cpu_loop import CLIENT_CORE, OUT as LOOP_OUT, PROFILE_PATH, load_probe_tier, rel
+from cpu_tier import CLIENT_CORE, OUT as LOOP_OUT, PROFILE_PATH, load_probe_tier, rel
 from cpu_report import METRICS, validation_table
 from cpu_workloads import SEEDS, WORKLOADS, capacity_rate, retwin_copy, validate_one
 
@@ -80,7 +80,7 @@ def warm_check():
 def predicted(profile: dict, rank: int, budget: int, chk: dict) -> dict[str, tuple[float, float, float]]:
     """What the profile predicts for each measure of a check: (LoRA-off part, LoRA part up to the knee,
     LoRA part beyond it), ms -- the probe's own forms (``lora_opt.calibration.probe_fit``)."""
-    from lora_opt.calibration.probe_fit import _prefill_known
+    from lora_opt.calibration.probe_fit import prefill_known
     lat = profile["latency"]
     lo = lat["lora"][min(lat["lora"], key=lambda r: (abs(int(r) - rank), int(r)))]
     knee = lo.get("prefill_knee_tokens", math.inf)
@@ -95,7 +95,7 @@ def predicted(profile: dict, rank: int, budget: int, chk: dict) -> dict[str, tup
             out[f"{key}_step_ms"] = (dense, *(lora(BATCH) if key == "lora" else (0.0, 0.0)))
     for p in LONE_PROMPTS:
         if chk.get(f"ttft_{p}_ms") is not None:
-            known, chunks = _prefill_known(lat, p, budget)
+            known, chunks = prefill_known(lat, p, budget)
             out[f"ttft_{p}_ms"] = (known + lat["per_token_ms"] * (p - chunks), *lora(min(p, budget)))
     return out
 
@@ -253,5 +253,5 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_loop, cpu_workloads)
+if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_tier, cpu_workloads)
     raise SystemExit(main())

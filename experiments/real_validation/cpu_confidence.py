@@ -105,7 +105,7 @@ def stage_fit(out: Path) -> int:
 
 
 def stage_sweep(out: Path, duration: float) -> int:
-    from cpu_loop import CLIENT_CORE, load_probe_tier
+    from cpu_tier import CLIENT_CORE, load_probe_tier
     from cpu_maxpack import stage_maxpack
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {CLIENT_CORE})

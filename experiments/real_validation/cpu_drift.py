@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from cpu_loop import CLIENT_CORE, ROOT, load_probe_tier, probe_command, server_env, tier_dir
+from cpu_tier import CLIENT_CORE, ROOT, load_probe_tier, probe_command, server_env, tier_dir
 
 from lora_opt.io import atomic_write_json, atomic_write_text
 
@@ -131,5 +131,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_loop)
+if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_tier)
     raise SystemExit(main())

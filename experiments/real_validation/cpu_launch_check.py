@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from cpu_loop import server_env, tier_dir
+from cpu_tier import server_env, tier_dir
 
 from lora_opt.emulate.client import server_prompt_tokens
 from lora_opt.io import atomic_write_json
@@ -101,5 +101,5 @@ def main() -> None:
     print(f"wrote {OUT}")
 
 
-if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_loop)
+if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_tier)
     main()

@@ -26,7 +26,7 @@ import os
 import time
 from pathlib import Path
 
-from cpu_loop import CLIENT_CORE, OUT, load_probe_tier
+from cpu_tier import CLIENT_CORE, OUT, load_probe_tier
 from cpu_workloads import SEEDS, WORKLOADS, capacity_rate, retwin_run, validate_one
 
 from lora_opt.io import atomic_write_json, atomic_write_text

@@ -16,7 +16,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from cpu_loop import server_env, tier_dir
+from cpu_tier import server_env, tier_dir
 
 from lora_opt.emulate.client import server_prompt_tokens
 from lora_opt.probe.launch import LaunchedServer, parse_serve_command
@@ -47,5 +47,5 @@ def main() -> None:
         srv.stop()
 
 
-if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_loop)
+if __name__ == "__main__":       # run as a script: its folder is on the path (cpu_tier)
     main()

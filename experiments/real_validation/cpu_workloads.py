@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import yaml
-from cpu_loop import (
+from cpu_tier import (
     MAX_MODEL_LEN,
     MODEL_ENTRY,
     PROFILE,

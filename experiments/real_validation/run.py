@@ -4,7 +4,7 @@ send back (see README.md next to this file).
 
     python experiments/real_validation/run.py --gpus 4 --gpu-name H100-80GB [--out DIR]
     # a dry run on one CPU machine: lora-opt emulate stands in for vllm serve
-    python experiments/real_validation/run.py --gpus 3 --server-cmd "lora-opt emulate --profile llama-3.1-8b-h100-64gb --speed 10" --speed 10
+    python experiments/real_validation/run.py --gpus 4 --server-cmd "lora-opt emulate --profile llama-3.1-8b-h100-64gb --speed 10" --speed 10
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     rc_cal = -1
     if (out / "probe" / "rows.csv").exists():
         rc_cal = step("calibrate", "calibrate", "--runs", str(out / "probe" / "rows.csv"), "--model", profile,
-                      "--out", str(out / "fitted_profile.yaml"))
+                      "--out", str(out / "fitted_profile.yaml"), *track)
         if rc_cal == 0:
             cmp = subprocess.run([sys.executable, "-m", "lora_opt.probe.compare", profile,
                                   str(out / "fitted_profile.yaml"), "--max-loras", "16"], cwd=ROOT,

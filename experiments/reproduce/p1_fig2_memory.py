@@ -17,6 +17,7 @@ import pandas as pd
 from . import REPO, Context, Row, md_table, pyplot, save_figure
 from lora_opt.calibration.model_table import MODEL_PROFILES
 from lora_opt.calibration.runs_csv import measured_kv_tokens, num, startup_config
+from twin.flags import EngineFlags
 from twin.profile import load_profile
 
 NAME = "p1_fig2_memory"
@@ -40,7 +41,9 @@ def predict(rows: pd.DataFrame, model: str) -> pd.DataFrame:
     for u, b, n, r, s in zip(util, mnbt, n_loras, ranks, seqs):
         s = int(s) if np.isfinite(s) else None
         kv_pred.append(prof.kv_capacity_tokens(int(n), int(r), float(u), int(b), enable_lora=n > 0, max_num_seqs=s))
-        starts.append(prof.startup_check(int(n), int(r), float(u), int(b), MML.get(model), s)[0])
+        starts.append(prof.startup_check(EngineFlags(max_loras=int(n), max_lora_rank=int(r), max_num_seqs=s,
+                                                     max_num_batched_tokens=int(b), gpu_memory_utilization=float(u),
+                                                     max_model_len=MML.get(model)))[0])
     out = rows.loc[:, ["experiment", "max_loras", "max_lora_rank", "status", "running_mean"]].copy()
     out["itl_mean"] = num(rows["mean_itl_ms"])
     out["throughput"] = num(rows["input_throughput"]) + num(rows["output_throughput"])

@@ -24,8 +24,9 @@ import pandas as pd
 from . import REPO, Context, Row, md_table, pyplot, save_figure
 from lora_opt.io import atomic_write_text
 from lora_opt.smape import smape
-from lora_opt.surrogates.dataset import generate, load_dataset, twin_version
+from lora_opt.surrogates.dataset import generate, load_dataset
 from lora_opt.surrogates.paper_ng import PAPER_STATS, workload_table
+from lora_opt.tracking import twin_version
 from twin.parsing import read_config_file
 
 NAME = "p1_tables12_ng"

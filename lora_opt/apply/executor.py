@@ -1,6 +1,6 @@
 """Carrying out a replan's ``plan.json`` on a running fleet, step by step, while it serves.
 
-Each step is what ``lora_opt.placement.replan_steps`` wrote, done the way vLLM takes it:
+Each step is what ``lora_opt.replan.replan_steps`` wrote, done the way vLLM takes it:
 
 * ``unload`` / ``load``: the step's HTTP call to the instance (vLLM's runtime LoRA endpoints:
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); ``--adapter-dir`` replaces the adapter path;
@@ -45,7 +45,7 @@ from urllib.parse import urlparse
 
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
-from lora_opt.placement.replan_steps import RUNTIME_LORA_ENV
+from lora_opt.replan.replan_steps import RUNTIME_LORA_ENV
 from lora_opt.placement.vllm_launch import resolve_vllm_version, serve_command
 from lora_opt.probe.launch import LaunchedServer, ServeCommand, parse_serve_command
 from lora_opt.validate.live import parse_scrape

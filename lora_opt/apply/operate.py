@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,10 +38,11 @@ from lora_opt.placement.evaluate import workload_from_placement
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.prometheus_demand import read_demand, workload_from_demand
-from lora_opt.placement.replan import ReplanCosts, replan
+from lora_opt.replan.replan import ReplanCosts, replan
 from lora_opt.placement.report import write_outputs
 from lora_opt.placement.vllm_launch import instance_urls, router_table
 from lora_opt.tracking import log_command_run
+from twin.parsing import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Operator:
         self.repairs: list[dict] = []
         if state.is_file():                 # a restarted operate continues where the last one stopped
             try:
-                saved = json.loads(state.read_text())
+                saved = read_json_file(state, "operate state", InputError, allow_nan=True)
                 self.current_path, self.cycle, self.rows = Path(saved["current"]), int(saved["cycle"]), saved["rows"]
                 self.known, self.held = list(saved.get("known", [])), dict(saved.get("held", {}))
             except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -144,7 +144,8 @@ class Operator:
         atomic_write_json(self.out / STATE_FILE, {"current": str(self.current_path), "cycle": self.cycle,
                                                   "rows": self.rows, "known": self.known, "held": self.held}, indent=1)
         table = router_table(self.current, host=self.cfg.host, base_port=self.cfg.base_port)
-        if not (self.out / ROUTER_FILE).is_file() or json.loads((self.out / ROUTER_FILE).read_text()) != table:
+        router = self.out / ROUTER_FILE
+        if not router.is_file() or read_json_file(router, "router table", InputError, allow_nan=True) != table:
             atomic_write_json(self.out / ROUTER_FILE, table, indent=1)
 
     def reconcile(self, settle: bool = False):

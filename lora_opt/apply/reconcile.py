@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from lora_opt.apply.executor import ApplyOptions, PlanExecutor, route_shares
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
-from lora_opt.placement.replan_steps import load_request, unload_request
+from lora_opt.replan.replan_steps import load_request, unload_request
 from lora_opt.placement.vllm_launch import instance_urls, router_table
 
 #: wall seconds an observation's HTTP call may take

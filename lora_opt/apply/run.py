@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -21,9 +20,10 @@ from lora_opt.apply.transition import WINDOWS, TrafficOptions, measure
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.plan import Placement
-from lora_opt.placement.replan_steps import step_counts
+from lora_opt.replan.replan_steps import step_counts
 from lora_opt.tracking import log_command_run
 from lora_opt.validate.live import emulator_lags
+from twin.parsing import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ def read_plan(path: str | Path) -> tuple[dict, Placement, Path]:
     if not plan_path.is_file():
         raise InputError(f"PLAN: {plan_path} not found (give plan.json or the folder lora-opt replan wrote)")
     try:
-        plan = json.loads(plan_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"PLAN: cannot read {plan_path}: {exc}") from None
+        plan = read_json_file(plan_path, "replan plan", InputError, allow_nan=True)
+    except InputError as exc:
+        raise InputError(f"PLAN: {exc}") from None
     if not isinstance(plan, dict) or "steps" not in plan:
         raise InputError(f"PLAN: {plan_path} is not a replan plan (no 'steps')")
     placement_path = plan_path.parent / "placement.json"
@@ -61,7 +61,7 @@ def _journal(ex: PlanExecutor, plan_path, out: Path):
     previous = out / "progress.json"
     if previous.is_file():
         try:
-            last = json.loads(previous.read_text())
+            last = read_json_file(previous, "progress", InputError, allow_nan=True)
             ran = [s for s in last.get("steps", []) if s.get("status") != "skipped"]
             if last.get("plan") == str(plan_path) and ran:
                 log.info("a previous run of this plan got to step %d (%s): steps in effect are marked done",

@@ -12,7 +12,7 @@ from lora_opt.io import atomic_write_json
 from lora_opt.parallel import TaskPool, init_ray
 from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.trace_split import trace_split
-from lora_opt.search.study import SearchSetup, Traffic, load_study, run_search, run_trial
+from lora_opt.search.study import SearchOptions, SearchSetup, Traffic, load_study, run_search, run_trial
 from lora_opt.search.tune import run_tune_search
 
 
@@ -42,13 +42,14 @@ def bench_backends(out: str | None = None, trials: int = 48, workers: int = 2, s
     rows = {}
     with tempfile.TemporaryDirectory(prefix="lora-opt-bench-search-") as tmp:
         storage = f"sqlite:///{Path(tmp) / 'bench.db'}"
-        common = dict(trials=trials, storage=storage, seed=seed, workers=workers, seeds=False, progress=True)
         for backend in ("ask-tell", "tune"):
+            options = SearchOptions(trials=trials, storage=storage, study_name=backend, seed=seed, workers=workers,
+                                    seeds=False, progress=True)
             t0 = time.perf_counter()
             if backend == "tune":
-                res = run_tune_search(setup, ctx, traffic, study_name=backend, tune_dir=Path(tmp) / "tune", **common)
+                res = run_tune_search(setup, ctx, traffic, options, tune_dir=Path(tmp) / "tune")
             else:
-                res = run_search(setup, ctx, traffic, study_name=backend, **common)
+                res = run_search(setup, ctx, traffic, options)
             wall = time.perf_counter() - t0
             work = _trial_seconds(storage, backend)
             rows[backend] = {"trials": res.trials, "complete": res.complete, "wall_s": wall, "trial_s": work,

@@ -40,6 +40,8 @@ from lora_opt.placement.policies import PlacementContext
 from lora_opt.placement.trace_split import trace_split
 from lora_opt.search.study import AMAX_MAX, SearchSetup, Traffic, run_trial
 from lora_opt.surrogates import dataset as ds
+from lora_opt.tracking import profile_hash
+from twin.profile import load_profile
 from twin.scenario import scenario_dict
 
 BASE = {"profile": "llama-3.1-8b-h100-64gb", "duration_s": 3600, "seed": 0,
@@ -194,7 +196,8 @@ def bench_dataset(grid: str = "papers", sample: int = 64, seed: int = 0) -> list
     profile, g = ds.load_grid(grid)
     points = g.points()
     ids = sorted(random.Random(seed).sample(range(len(points)), min(sample, len(points))))
-    name, phash = ds._profile_info(profile)
+    prof = load_profile(profile)
+    name, phash = prof.name, profile_hash(prof)
     items = [{"point": points[j], "point_id": j, "groups": g.groups, "profile_name": name, "profile_hash": phash,
               "twin_version": "bench", "scenario": ds.point_scenario(points[j], j, g, profile)} for j in ids]
     ds.label_points(items[:1])                                   # load the compiled kernel

@@ -4,8 +4,9 @@
 - ``runs_csv``: the real-runs CSV (the one validating loader, a family's rows) every other module reads.
 - ``realruns``: real runs as twin scenarios.
 - ``profile_fit``: the estimator families -> a profile YAML (``lora-opt calibrate``), from
-  ``fitting`` (shared fit primitives), ``memory_fit``, ``max_num_seqs_fit``, ``step_fit`` / ``step_fit_v1`` / ``step_fit_v0``, ``loading_fit`` and
-  ``memory_check``; ``generations`` says which fits each engine generation runs.
+  ``fitting`` (shared fit primitives), ``memory_fit``, ``max_num_seqs_fit``, ``step_fit``, ``loading_fit`` and
+  ``memory_check``; ``generations`` says which fits each engine generation runs (a generation's fits carry
+  its key as a suffix: ``fit_decode_v1``, ``fit_loading_v0``).
 - ``e2e_fit``: the constants only end-to-end runs identify, on the fit half (``lora-opt calibrate-e2e``);
   ``e2e_params`` sets them in a profile dict.
 - ``replay``: real runs replayed on the twin (shared by ``e2e_fit`` and ``fidelity``).

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 from scipy.optimize import nnls
 
 from lora_opt.calibration import realruns
@@ -45,6 +44,7 @@ from lora_opt.calibration.replay import replay_with_profile, select_runs
 from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.smape import smape
 from twin.errors import ScenarioError
+from twin.parsing import parse_yaml_text, read_config_file, read_text_file
 from twin.profile import profile_from_dict
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ def fit_model(model: str, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None =
         raise NoFitRuns(f"calibrate-e2e --model {model}: {runs_csv} holds no usable fit-half runs of {model} "
                         f"(experiment containing {FIT_HALF[model]!r})")
     prof_path = Path(realruns.PROFILES_DIR) / f"{realruns.MODEL_PROFILES[model]}.yaml"
-    text = prof_path.read_text(encoding="utf-8")
-    header, base = header_of(text), yaml.safe_load(text)
+    text = read_text_file(prof_path, "profile")
+    header, base = header_of(text), parse_yaml_text(text, str(prof_path))
     tmp = Path(tmp or tempfile.mkdtemp(prefix="lora_opt_e2e_"))
     trace = []
 
@@ -237,7 +237,7 @@ def write_fitted_profile(path: Path, header: str, prof: dict, record: dict) -> b
         return {k: v for k, v in (rec or {}).items() if k not in RUN_ONLY_KEYS}
 
     if path.is_file():
-        old = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("fit") or {}).get("e2e")
+        old = ((read_config_file(path, "profile") or {}).get("fit") or {}).get("e2e")
         if old is not None and same_fit(fitted(old), fitted(record)):
             return False
     prof = dict(prof)

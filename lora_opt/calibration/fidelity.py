@@ -29,6 +29,7 @@ from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.smape import smape
 from twin.errors import ScenarioError
+from twin.parsing import read_config_file, read_json_file
 
 #: (name in the report, real column, twin result key, twin sub-key, peer column)
 METRICS = (
@@ -248,14 +249,12 @@ def residual_lines(df, variant: str) -> list[str]:
 def provenance_lines(models) -> list[str]:
     """Which constants of each model's bundled profile were fitted on which runs, and which runs the report's
     headline is on (the profiles' ``fit`` records)."""
-    import yaml
-
     lines = ["## Fitted on / reported on", "",
              "| model | LoRA form | estimator families (`lora-opt calibrate`) | end-to-end constants (`lora-opt "
              "calibrate-e2e`) | fitted on | reported on |", "|---|---|---|---|---|---|"]
     for m in sorted(models):
         path = realruns.PROFILES_DIR / f"{realruns.MODEL_PROFILES[m]}.yaml"
-        fit = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("fit") or {}
+        fit = (read_config_file(path, "profile") or {}).get("fit") or {}
         e2e = fit.get("e2e") or {}
         params = e2e.get("params") or {}
         # a V1 profile's step overhead is not searched (0.0); a dict is the additive form's constants
@@ -341,12 +340,10 @@ def write_report(summary: dict, df, maxpack, out_dir: Path, plots: list[str]) ->
 
 def read_before(path: str | Path) -> dict:
     """An earlier ``fidelity`` summary.json to compare with (``--before``); ScenarioError when it is not one."""
-    import json
-
     p = Path(path)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        data = read_json_file(p, "fidelity summary", allow_nan=True)
+    except ScenarioError as exc:
         raise ScenarioError(f"--before {p}: not a readable fidelity summary.json ({exc})") from None
     if not isinstance(data, dict) or "smape" not in data or "max_pack" not in data:
         raise ScenarioError(f"--before {p}: not a fidelity summary.json (no 'smape' / 'max_pack')")

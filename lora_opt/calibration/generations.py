@@ -2,7 +2,9 @@
 
 A (model, GPU, vLLM version) of a known generation needs only its entry in ``configs/models.yaml``;
 a new generation is a new :class:`Generation` here (and its name in
-``model_table.ENGINE_GENERATIONS``).
+``model_table.ENGINE_GENERATIONS``).  A generation's own fits sit beside the other generations' fits of
+the same estimator, named with the generation's key as a suffix: ``step_fit.fit_decode_v1``,
+``loading_fit.fit_loading_v0``, ``max_num_seqs_fit.fit_max_num_seqs_term_v0``.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from lora_opt.calibration.loading_fit import fit_loading_v0, fit_loading_v1
 from lora_opt.calibration.max_num_seqs_fit import fit_max_num_seqs_term, fit_max_num_seqs_term_v0
 from lora_opt.calibration.memory_fit import fit_memory
 from lora_opt.calibration.model_table import ENGINE_GENERATIONS, MODELS, ModelEntry
-from lora_opt.calibration.step_fit_v0 import fit_decode_v0, fit_lora_v0, fit_prefill_vidur
-from lora_opt.calibration.step_fit_v1 import fit_decode_v1, fit_lora_v1, fit_prefill_v1
+from lora_opt.calibration.step_fit import (fit_decode_v0, fit_decode_v1, fit_lora_v0, fit_lora_v1, fit_prefill_v0,
+                                           fit_prefill_v1)
 from twin.profile import Profile
 
 
@@ -57,7 +59,7 @@ def _fit_v0(runs: pd.DataFrame, entry: ModelEntry) -> dict[str, FitResult]:
     lora = fit_lora_v0(runs, entry)
     # V0 logs no CPU->GPU load time: the table of the (V1) model the entry names
     source = MODELS[entry.cpu_to_gpu_ms_from.model]
-    return {"lora": lora, "decode": fit_decode_v0(runs, entry, lora), "prefill": fit_prefill_vidur(entry),
+    return {"lora": lora, "decode": fit_decode_v0(runs, entry, lora), "prefill": fit_prefill_v0(entry),
             "loading": fit_loading_v0(runs, entry, lambda: fit_loading_v1(runs, source))}
 
 

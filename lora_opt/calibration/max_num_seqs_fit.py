@@ -94,7 +94,3 @@ def fit_max_num_seqs_term_v0(runs: pd.DataFrame, entry: ModelEntry, profile: Pro
               "line_y": np.array([delta, delta, 0.0]),
               "label": "measured KV - memory model (fitted at the memory family's max_num_seqs)",
               "ylabel": "KV surplus (GiB)"})
-
-
-# =================================================================================================
-# Step time, 0.8.5 (V1: chunked prefill, lockstep synthetic runs)

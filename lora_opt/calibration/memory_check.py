@@ -14,6 +14,7 @@ import pandas as pd
 from lora_opt.calibration.model_table import MODELS, model_entry
 from lora_opt.calibration.runs_csv import measured_kv_tokens, num, startup_config
 from twin.errors import ScenarioError
+from twin.flags import EngineFlags
 from twin.profile import Profile
 
 
@@ -49,7 +50,8 @@ def memory_check(runs_df: pd.DataFrame, profile: Profile, model: str | None = No
     pred_ok, pred_kv = [], []
     seqs_or_default = np.where(np.isfinite(seqs), seqs, profile.defaults.max_num_seqs)
     for nl, r, u, mb, ms in zip(n_loras, ranks, util, mnbt, seqs_or_default):
-        starts, kv, _ = profile.startup_check(int(nl), int(r), float(u), int(mb), max_num_seqs=int(ms))
+        starts, kv, _ = profile.startup_check(EngineFlags(max_loras=int(nl), max_lora_rank=int(r), max_num_seqs=int(ms),
+                                                          max_num_batched_tokens=int(mb), gpu_memory_utilization=float(u)))
         pred_ok.append(starts)
         pred_kv.append(profile.kv_capacity_tokens(int(nl), int(r), float(u), int(mb), enable_lora=int(nl) > 0,
                                                   max_num_seqs=int(ms)))

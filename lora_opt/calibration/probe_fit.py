@@ -197,7 +197,7 @@ def fit_decode(runs: pd.DataFrame) -> FitResult:
                      extra={"max_abs_rel_error": float(np.max(np.abs(pred / y - 1)))})
 
 
-def _prefill_known(decode: dict, prompt: int, budget: int) -> tuple[float, int]:
+def prefill_known(decode: dict, prompt: int, budget: int) -> tuple[float, int]:
     """(the decode-like part of a lone prompt's chunked prefill steps, number of chunks)."""
     chunks = max(1, math.ceil(prompt / budget))
     ctx = sum(min(m * budget, prompt) for m in range(chunks))
@@ -218,7 +218,7 @@ def fit_prefill(runs: pd.DataFrame, decode: FitResult) -> FitResult:
                             f"({family_status(runs, 'prefill')})")
     known, x = [], []
     for pi, bi in zip(p.astype(int), budget):
-        k, chunks = _prefill_known(decode.params, int(pi), int(bi))
+        k, chunks = prefill_known(decode.params, int(pi), int(bi))
         known.append(k)
         x.append(pi - chunks)
     known, x = np.array(known), np.array(x, float)
@@ -300,7 +300,7 @@ def fit_lora_prefill(runs: pd.DataFrame, decode: FitResult, prefill: FitResult, 
             continue
         jump = lora.params[rank]["jump"]
         sel = ranks == rank
-        known = np.array([_prefill_known(decode.params, int(pi), int(bi)) for pi, bi in zip(p[sel], budget[sel])])
+        known = np.array([prefill_known(decode.params, int(pi), int(bi)) for pi, bi in zip(p[sel], budget[sel])])
         # the knee is in a step's tokens: a prompt within the token budget is one step
         points[rank] = RankPoints(product=np.minimum(p[sel], budget[sel]) * float(rank),
                                    a=per_token * (p[sel] - known[:, 1]) * jump,          # what prefill_share multiplies
@@ -383,7 +383,7 @@ def fit_lora_per_token(runs: pd.DataFrame, decode: FitResult, prefill: FitResult
     fixed: dict[int, float] = {}
     for rank in sorted(set(r_w[np.isfinite(r_w)].astype(int)) | set(r_p[np.isfinite(r_p)].astype(int))):
         sw, sp = r_w == rank, r_p == rank
-        known = np.array([_prefill_known(d, int(pi), int(bi)) for pi, bi in zip(p[sp], budget[sp])]).reshape(-1, 2)
+        known = np.array([prefill_known(d, int(pi), int(bi)) for pi, bi in zip(p[sp], budget[sp])]).reshape(-1, 2)
         fixed[rank] = fit_lora_step_ms(b[sw], y_w[sw] - base[sw], y_w[sw])
         # the knee is in a step's tokens (a prompt beyond the budget is several steps); every token pays
         points[rank] = RankPoints(product=np.concatenate([b[sw], np.minimum(p[sp], budget[sp])]) * float(rank),

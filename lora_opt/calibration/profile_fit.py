@@ -19,7 +19,7 @@ Where each part lives
 * ``model_table``: the (model, GPU, vLLM version) setups, from ``configs/models.yaml``.
 * ``runs_csv``: the real-run table, its columns and families.
 * ``memory_fit`` / ``max_num_seqs_fit``: ``MemorySpec``; ``memory_check``: the check on every run.
-* ``step_fit`` (shared), ``step_fit_v1`` (vLLM 0.8.5), ``step_fit_v0`` (vLLM 0.5.0): ``LatencySpec``.
+* ``step_fit``: ``LatencySpec`` (the shared pieces; ``*_v1``: vLLM 0.8.5, ``*_v0``: vLLM 0.5.0).
 * ``loading_fit``: ``LoadingSpec``.
 * ``generations``: which fits each engine generation runs (one table keyed by ``ModelEntry.engine``).
 * here: the profile assembled from the fits, checked by the schema and written.
@@ -29,8 +29,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from lora_opt.calibration import report as calibrate_report
 # E2E_*_KEYS, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES, MODELS, expected_distinct_adapters, weights_gib and
@@ -46,6 +44,7 @@ from lora_opt.calibration.runs_csv import (BLOCK_SIZE, DEFAULT_UTIL, ESTIMATOR_P
                                            load_runs)
 from lora_opt.calibration.step_fit import expected_distinct_adapters
 from twin.errors import ScenarioError
+from twin.parsing import read_config_file
 from twin.paths import bundle_relative
 from twin.profile import profile_from_dict
 
@@ -158,7 +157,7 @@ def _carry_e2e(prof: dict[str, Any], out: Path) -> dict[str, Any]:
     end-to-end runs) of the profile being overwritten: they are not estimator fits."""
     if not out.exists():
         return prof
-    old = yaml.safe_load(out.read_text()) or {}
+    old = read_config_file(out, "profile") or {}
     e2e = (old.get("fit") or {}).get("e2e")
     if not e2e:
         return prof

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.apply.executor import ApplyOptions
     from lora_opt.apply.run import apply_plan
     from lora_opt.apply.transition import TrafficOptions
-    from lora_opt.placement.replan_steps import step_counts
+    from lora_opt.replan.replan_steps import step_counts
     from lora_opt.placement.workload_file import load_workload
 
     if args.dry_run:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from lora_opt.cli.conventions import SCRAPE_DEFAULT_S, finite_float, int_range, verbosity
-from lora_opt.placement.router_config import HealthChecks
-from twin.flags import EngineFlags, serve_option
+from lora_opt.replan.router_config import HealthChecks
+from twin.flags import DEFAULT_VLLM_VERSION, EngineFlags, serve_option
 from twin.profile import bundled_profiles
 from twin.routers import ADAPTER_MODES, ROUTERS
 
@@ -45,7 +45,7 @@ def register(sub) -> None:
                         "else 4 characters a token) and chat template (jinja2); /v1/models' root")
     e.add_argument("--vllm-version", metavar="VERSION",
                    help="the vLLM version to imitate (/version, error shapes, length rules): 0.32, 0.33 or 0.8.5 "
-                        "(default: the profile's vllm_version when it is one of these, else 0.33)")
+                        f"(default: the profile's vllm_version when it is one of these, else {DEFAULT_VLLM_VERSION})")
     e.add_argument("--host", help="bind address (default 127.0.0.1; a placement: its router.json's hosts)")
     e.add_argument("--port", type=PORT, default=8000, help="one instance: port (default 8000)")
     e.add_argument("--base-port", type=PORT, help="a placement: GPU i listens on BASE_PORT + i (instead of router.json)")
@@ -96,12 +96,12 @@ def register(sub) -> None:
 def _lora_paths(modules: list[str]) -> dict[str, str]:
     """Adapter id -> path of ``--lora-modules`` (``name=path`` or JSON; the cards' ``root``);
     malformed entries are reported by ``lora_opt.emulate.fleet.parse_lora_modules``."""
-    import json
+    from twin.parsing import parse_json_text
     out = {}
     for m in modules:
         if m.lstrip().startswith("{"):
             try:
-                d = json.loads(m)
+                d = parse_json_text(m, "--lora-modules")
                 out[str(d["name"])] = str(d["path"])
             except (ValueError, KeyError, TypeError):
                 continue

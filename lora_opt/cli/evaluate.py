@@ -52,8 +52,8 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.placement.evaluate import (check_grace_below_window, evaluate_on_fleet, evaluate_placement,
-                                             evaluation_table, served_ok, with_evaluation, workload_from_placement)
+    from lora_opt.placement.evaluate import (check_grace_below_window, evaluation_table, judge_placement,
+                                             with_evaluation, workload_from_placement)
     from lora_opt.placement.instances import FleetOptions
     from lora_opt.placement.plan import Placement, PlacementError
     from lora_opt.placement.workload_file import load_workload
@@ -69,22 +69,10 @@ def run(args: argparse.Namespace) -> int:
     grace_s = GRACE_DEFAULT_S if args.grace_s is None else args.grace_s
     check_grace_below_window(grace_s, wl.evaluation.duration_s, "--grace-s:", "the replayed duration (--duration-s)",
                              note=" (the default)" if args.grace_s is None else "", error=InputError)
-    if (args.router, args.adapters) == ("static", "static"):       # today's per-GPU replay (on Ray)
-        ev = evaluate_placement(p, wl, workers=args.workers, ray_address=args.ray_address,
-                                progress=show_progress(args), grace_s=grace_s)
-    else:
-        scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
-        fleet = FleetOptions(args.router, args.adapters, **scrape)
-        ev = evaluate_on_fleet(p, wl, fleet, grace_s=grace_s)
-    code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
-    if args.confidence is not None:
-        from lora_opt.placement.confidence import annotate, at_confidence, resolve_bound
-        from twin.profile import load_profile
-
-        annotate(p, wl, resolve_bound(load_profile(p.profile), args.confidence, args.error_model))
-        ev["at_confidence"] = at_confidence(p, wl.rho)
-        if ev["at_confidence"]["gpus_below"]:
-            code = EXIT_NOT_ACCEPTABLE
+    scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
+    ev, code = judge_placement(p, wl, fleet=FleetOptions(args.router, args.adapters, **scrape), grace_s=grace_s,
+                               confidence=args.confidence, error_model=args.error_model, workers=args.workers,
+                               ray_address=args.ray_address, progress=show_progress(args))
     if args.out:
         atomic_write_json(args.out, ev, indent=1)
     log_command_run("evaluate", f"{wl.name} ({p.policy})", params={"placement": args.placement, "workload": wl.name,

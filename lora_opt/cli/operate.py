@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.apply.operate import OperateConfig, operate
     from lora_opt.cli.replan import policy_from_flags
     from lora_opt.placement.plan import Placement
-    from lora_opt.placement.replan import ReplanCosts
+    from lora_opt.replan.replan import ReplanCosts
     from twin.profile import load_profile
 
     current = Placement.load(args.current)

@@ -2,7 +2,7 @@
 the fewest adapter moves and instance restarts, and the plan to get there (``plan.json``: vLLM runtime
 LoRA calls, router switches, launches, drains, stops, every intermediate state judged).
 
-The placement logic lives in ``lora_opt.placement.replan``; this module reads the flags, runs it,
+The placement logic lives in ``lora_opt.replan.replan``; this module reads the flags, runs it,
 writes the files and prints.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from lora_opt.io import atomic_write_json
     from lora_opt.placement.plan import Placement
     from lora_opt.placement.policies import PlacementContext
-    from lora_opt.placement.replan import ReplanCosts, replan
+    from lora_opt.replan.replan import ReplanCosts, replan
     from lora_opt.placement.report import verdict, write_outputs
     from lora_opt.placement.workload_file import load_workload
 
@@ -144,7 +144,6 @@ def history_workload(current, log: str):
 
 def prometheus_workload(current, url: str, window: str, quiet: bool = False):
     """The running placement's adapters with the demand Prometheus saw over ``window``."""
-    from lora_opt.cli.place import prometheus_line
     from lora_opt.placement.evaluate import workload_from_placement
     from lora_opt.placement.prometheus_demand import read_demand, workload_from_demand
 
@@ -152,13 +151,13 @@ def prometheus_workload(current, url: str, window: str, quiet: bool = False):
     demand = read_demand(url, window)
     wl = workload_from_demand(base, demand)
     if not quiet:
-        print(prometheus_line(demand))
+        print(demand.summary())
     return dataclasses.replace(wl, name=f"{base.name or 'placement'}-prometheus")
 
 
 def plan_summary(plan: dict) -> str:
     """The candidates, the instances' fate, the step counts and the transition's verdict, as text."""
-    from lora_opt.placement.replan_steps import step_counts
+    from lora_opt.replan.replan_steps import step_counts
     lines = [f"{'candidate':<19} {'GPUs':>4} {'moves':>6} {'loads':>6} {'unloads':>7} {'restarts':>8} "
              f"{'launches':>8} {'cost':>7}"]
     for c in plan["candidates"]:

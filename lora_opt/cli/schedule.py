@@ -3,7 +3,7 @@ step replanned from the previous one, and what it saves against re-placing from 
 static provisioning for the peak (a table, schedule.json, schedule.csv, schedule.png, and every step's
 placement.json and plan.json).
 
-The schedule logic lives in ``lora_opt.placement.schedule``; this module reads the flags and writes.
+The schedule logic lives in ``lora_opt.replan.schedule``; this module reads the flags and writes.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def register(sub) -> None:
     sc = sub.add_parser("schedule", help="GPUs and placement per step of a drifting day: replan step by step; "
                                          "GPU-hours and moves saved")
     src = sc.add_mutually_exclusive_group(required=True)
-    src.add_argument("--drift", help="a drift YAML (lora_opt.placement.drift), or a bundled one by name: day, "
+    src.add_argument("--drift", help="a drift YAML (lora_opt.replan.drift), or a bundled one by name: day, "
                                      "traces (the Azure conversation and code traces stitched)")
     src.add_argument("--workloads", nargs="+", metavar="WL.yaml", help="one workload file per step, in order")
     sc.add_argument("--steps", type=int_range(1, 168), help="only the first N steps")
@@ -39,10 +39,10 @@ def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
     from lora_opt.io import atomic_write_json, atomic_write_text
-    from lora_opt.placement.drift import drift_workloads, load_drift
+    from lora_opt.replan.drift import drift_workloads, load_drift
     from lora_opt.placement.policies import PlacementContext
-    from lora_opt.placement.replan import ReplanCosts
-    from lora_opt.placement.schedule import run_schedule, schedule_plot
+    from lora_opt.replan.replan import ReplanCosts
+    from lora_opt.replan.schedule import run_schedule, schedule_plot
     from lora_opt.placement.workload_file import load_workload
 
     if args.drift:

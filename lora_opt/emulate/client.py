@@ -83,9 +83,9 @@ def summarise(records: list[Record], speed: float, duration_s: float) -> Summary
 CONNECT_TIMEOUT_S = 10.0
 
 
-async def _one(host: str, port: int, path: str, model: str, rec: Record, t0: float,
-               prompt: list | None = None, include_usage: bool = False, count_token_ids: bool = False,
-               extra_headers: str = "") -> None:
+async def stream_one(host: str, port: int, path: str, model: str, rec: Record, t0: float,
+                     prompt: list | None = None, include_usage: bool = False, count_token_ids: bool = False,
+                     extra_headers: str = "") -> None:
     """One streamed request on its own connection (``Connection: close``: the stream ends at EOF).
     A raw HTTP/1.1 exchange: the client must send on time and timestamp chunks as they come, and an
     HTTP library's per-chunk work on a busy core delays both.  A chunk is timestamped when its
@@ -227,7 +227,7 @@ async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: fl
     -> model ``adapter_ids[k]``) and wait for all of them.  ``session_header``: also send the adapter
     id in this header (e.g. ``X-Session-ID``, the key vLLM's router ``consistent_hash`` hashes);
     ``count_token_ids``: count each chunk's token ids (a real vLLM merges steps into one chunk when
-    its front end falls behind; see :func:`_one`)."""
+    its front end falls behind; see :func:`stream_one`)."""
     u = urlparse(base_url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     path = (u.path.rstrip("/") or "") + "/v1/completions"
@@ -242,8 +242,8 @@ async def replay(base_url: str, req: Requests, adapter_ids: list[str], speed: fl
             await asyncio.sleep(delay)
         model = adapter_ids[int(req.adapter[k])]
         extra = f"{session_header}: {model}\r\n" if session_header else ""
-        tasks.append(asyncio.ensure_future(_one(host, port, path, model, records[k], t0, extra_headers=extra,
-                                                     count_token_ids=count_token_ids)))
+        tasks.append(asyncio.ensure_future(stream_one(host, port, path, model, records[k], t0, extra_headers=extra,
+                                                      count_token_ids=count_token_ids)))
         if concurrency_probe is not None:
             concurrency_probe.append(sum(not t.done() for t in tasks[-2000:]))
     await asyncio.gather(*tasks)
@@ -388,9 +388,9 @@ async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, mode
             records[k].sent = records[k].due
             continue
         host, port, root = ends[g]
-        tasks[k] = asyncio.ensure_future(_one(host, port, root + "/v1/completions", models[int(req.adapter[k])],
-                                              records[k], t0, (prompts or PromptTokens()).prompt(k, records[k].in_len),
-                                              True))
+        prompt = (prompts or PromptTokens()).prompt(k, records[k].in_len)
+        tasks[k] = asyncio.ensure_future(stream_one(host, port, root + "/v1/completions", models[int(req.adapter[k])],
+                                                    records[k], t0, prompt, True))
     pending = [t for t in tasks.values() if not t.done()]
     if pending and not stop.is_set():
         left = t0 + end_s / speed - time.perf_counter()

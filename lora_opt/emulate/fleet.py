@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import signal
 import socket
 from dataclasses import dataclass
@@ -15,13 +14,14 @@ from urllib.parse import urlparse
 from lora_opt.emulate.engine import RUNTIME_ID, OnlineEngine
 from lora_opt.emulate.metrics import EngineMetrics
 from lora_opt.emulate.router import RouteTable, build_router_app
-from lora_opt.placement.router_config import HealthChecks
-from lora_opt.emulate.server import Instance, build_app
+from lora_opt.replan.router_config import HealthChecks
+from lora_opt.emulate.server import Instance, adapter_rank, build_app
 from lora_opt.errors import InputError
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import scenario_adapters
 from twin.fleet import SCRAPE_INTERVAL_S, check_adapter_mode
 from twin.flags import VLLM_LORA_RANKS, max_lora_rank_for
+from twin.parsing import parse_json_text, read_json_file
 from twin.profile import LoadingSpec
 from twin.scenario import EngineConfig, Scenario, build_scenario, load_scenario, replace
 
@@ -88,9 +88,7 @@ def make_instance(spec: InstanceSpec, *, speed: float, seed: int = 0, runtime_lo
     sc = spec.scenario
     profile = sc.load_profile()
     eng = sc.resolved_engine(profile)
-    starts, kv_tokens, reason = profile.startup_check(
-        eng.max_loras, eng.max_lora_rank, eng.gpu_memory_utilization, eng.max_num_batched_tokens,
-        eng.max_model_len, eng.max_num_seqs)
+    starts, kv_tokens, reason = profile.startup_check(eng)
     if not spec.enable_lora:
         profile, kv_tokens, ids = _without_lora(profile, eng)
         starts = kv_tokens >= eng.max_model_len
@@ -127,11 +125,8 @@ def _without_lora(profile, eng: EngineConfig):
 
 # ---- specs -----------------------------------------------------------------------------------
 def _rank_of(path: str, default: int) -> int:
-    cfg = Path(path) / "adapter_config.json"
-    try:
-        return int(json.loads(cfg.read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return default
+    rank = adapter_rank(path)
+    return default if rank is None else rank
 
 
 def parse_lora_modules(modules: list[str], default_rank: int) -> list[dict]:
@@ -141,7 +136,7 @@ def parse_lora_modules(modules: list[str], default_rank: int) -> list[dict]:
     for m in modules:
         if m.lstrip().startswith("{"):
             try:
-                d = json.loads(m)
+                d = parse_json_text(m, "--lora-modules", InputError)
                 name, path = d["name"], d["path"]
             except (ValueError, KeyError, TypeError):
                 raise InputError(f"--lora-modules: bad JSON module {m!r} (needs name and path)") from None
@@ -201,7 +196,7 @@ def specs_from_placement(path: str, *, base_port: int | None, host: str | None,
     router_file = Path(path).parent / "router.json"
     ports = {}
     if base_port is None and router_file.exists():
-        ports = _router_ports(json.loads(router_file.read_text()), p)
+        ports = _router_ports(read_json_file(router_file, "router table", InputError, allow_nan=True), p)
     specs = []
     for g, flags in enumerate(p.gpus):
         placed = p.adapters_on(g)
@@ -214,7 +209,7 @@ def specs_from_placement(path: str, *, base_port: int | None, host: str | None,
             on = {a.id for a in placed}
             preloaded = tuple(a.id for a in served if a.id in on)
         sc = build_scenario(p.profile, scenario_adapters(served),
-                            engine=dataclasses.asdict(flags), lengths=lengths, where=f"placement GPU {g}")
+                            engine=flags, lengths=lengths, where=f"placement GPU {g}")
         specs.append(InstanceSpec(sc, port=port, host=host or h, name=f"GPU {g}", gpu=g, preloaded=preloaded))
     if not specs:
         raise InputError(f"--placement: {path} routes no adapter to any GPU")

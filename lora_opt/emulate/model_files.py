@@ -8,12 +8,12 @@ for the reply.
 from __future__ import annotations
 
 import importlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_opt.errors import InputError
+from twin.parsing import read_json_file
 
 CHARS_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
@@ -143,8 +143,8 @@ def no_model_files() -> ModelFiles:
 
 def _read_json(p: Path) -> dict | None:
     try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError):
+        d = read_json_file(p, "model file", InputError, allow_nan=True)
+    except InputError:
         return None
     return d if isinstance(d, dict) else None
 

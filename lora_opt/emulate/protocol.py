@@ -59,6 +59,7 @@ from lora_opt.emulate.request_validation import (
     validation_failure,
 )
 from lora_opt.emulate.vllm_versions import VERSIONS, VllmBehaviour
+from twin.flags import DEFAULT_VLLM_VERSION
 
 FILLER = ("the", "twin", "of", "a", "vLLM", "engine", "serving", "many", "LoRA", "adapters", "emulates",
           "this", "stream", "token", "by", "token")
@@ -70,7 +71,7 @@ class ApiContext:
     """What an instance's request checks need: the imitated version, the length limit, the
     vocabulary and tokenizer."""
 
-    behaviour: VllmBehaviour = field(default_factory=lambda: VERSIONS["0.33"])
+    behaviour: VllmBehaviour = field(default_factory=lambda: VERSIONS[DEFAULT_VLLM_VERSION])
     max_model_len: int = 4096
     vocab_size: int | None = None
     files: ModelFiles = field(default_factory=no_model_files)

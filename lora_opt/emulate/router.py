@@ -39,7 +39,7 @@ from lora_opt.emulate.request_validation import APIError
 from lora_opt.emulate.router_health import EndpointHealth, check_forever, next_engine
 from lora_opt.emulate.router_metrics import RouterMetrics, usage_of
 from lora_opt.errors import InputError
-from lora_opt.placement.router_config import HealthChecks
+from lora_opt.replan.router_config import HealthChecks
 from twin.engine_fleet import scrape
 from twin.fleet import SCRAPE_INTERVAL_S
 from twin.routers import FleetView, RouterSetup, make_router

@@ -23,7 +23,7 @@ import logging
 import time
 
 from lora_opt.emulate.request_validation import APIError
-from lora_opt.placement.router_config import RETRY_BACKOFF_S, HealthChecks
+from lora_opt.replan.router_config import RETRY_BACKOFF_S, HealthChecks
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ connection is never refused by the emulator.
 # no "from __future__ import annotations": FastAPI reads the route annotations (Request) at definition
 
 import asyncio
-import json
 import time
 import uuid
 from collections import deque
@@ -37,6 +36,8 @@ from lora_opt.emulate.protocol import (
 )
 from lora_opt.emulate.request_validation import APIError, DetailError
 from lora_opt.emulate.vllm_versions import VllmBehaviour, choose
+from lora_opt.errors import InputError
+from twin.parsing import read_json_file
 
 #: the vLLM version /version reports when the profile does not say
 EMULATOR_TAG = "lora-opt-emulate"
@@ -344,11 +345,11 @@ def build_app(inst: Instance):
     return app
 
 
-def _adapter_rank(path: str) -> int | None:
+def adapter_rank(path: str) -> int | None:
     """The rank in ``PATH/adapter_config.json`` (None: no adapter there, as vLLM's loader finds none)."""
     try:
-        return int(json.loads((Path(path) / "adapter_config.json").read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(read_json_file(Path(path) / "adapter_config.json", "adapter config", InputError)["r"])
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -377,7 +378,7 @@ def _lora_update(inst: Instance, raw: bytes, content_type: str, load: bool):
         if name in inst.loaded and not req.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
                                 "in place, set 'load_inplace' to True.", "InvalidUserInput")
-        rank = _adapter_rank(req.lora_path)
+        rank = adapter_rank(req.lora_path)
         if rank is None:
             raise APIError(404, sanitize_message(f"Loading lora {name} failed: No adapter found for {req.lora_path}"),
                            "NotFoundError")

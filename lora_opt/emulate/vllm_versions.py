@@ -1,7 +1,7 @@
 """The vLLM versions the emulator imitates and what differs between them where a client can tell.
 
 ``--vllm-version`` chooses; without it, the profile's ``vllm_version`` when it is one of these
-(major.minor: 0.8.5 matches 0.8, 0.32.0+cpu matches 0.32), else :data:`DEFAULT`.  ``/version``
+(major.minor: 0.8.5 matches 0.8, 0.32.0+cpu matches 0.32), else ``twin.flags.DEFAULT_VLLM_VERSION``.  ``/version``
 answers the chosen one.
 
 * 0.32 -- measured on the CPU build (tests/real_vllm/test_conformance.py runs the emulator against it).
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from lora_opt.errors import InputError
 from twin.admission import clamps_max_tokens
-from twin.flags import release_key
+from twin.flags import DEFAULT_VLLM_VERSION, release_key
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,11 @@ def _behaviour(version: str) -> VllmBehaviour:
 
 #: major.minor -> the behaviour imitated
 VERSIONS: dict[str, VllmBehaviour] = {b.key: b for b in map(_behaviour, ("0.8.5", "0.32.0", "0.33.0"))}
-DEFAULT = "0.33"
 
 
 def choose(flag: str | None, profile_version: str | None) -> VllmBehaviour:
     """The behaviour for ``--vllm-version`` (``flag``), else the profile's version when imitated,
-    else :data:`DEFAULT`."""
+    else ``DEFAULT_VLLM_VERSION``."""
     if flag is not None:
         key = release_key(flag)
         b = VERSIONS.get(f"{key[0]}.{key[1]}") if key else None
@@ -70,4 +69,4 @@ def choose(flag: str | None, profile_version: str | None) -> VllmBehaviour:
                              f"(one of {', '.join(VERSIONS)})")
         return b
     key = release_key(profile_version)
-    return VERSIONS.get(f"{key[0]}.{key[1]}" if key else "", VERSIONS[DEFAULT])
+    return VERSIONS.get(f"{key[0]}.{key[1]}" if key else "", VERSIONS[DEFAULT_VLLM_VERSION])

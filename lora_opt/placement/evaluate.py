@@ -15,13 +15,16 @@ import numpy as np
 from tqdm import tqdm
 
 import twin
+from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK
 from lora_opt.parallel import run_batches
+from lora_opt.placement.confidence import annotate, at_confidence, resolve_bound
 from lora_opt.placement.instances import FleetOptions, gpu_result, gpu_scenario, replay_on_fleet, routing_seed
 from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
 from twin.errors import ScenarioError
 from twin.flags import shared_flags
 from twin.parsing import check_finite
+from twin.profile import load_profile
 from twin.scenario import DEFAULT_RHO, scenario_from_dict
 from twin.routers import weighted_pick
 from twin.simulate import weighted_stats
@@ -313,6 +316,29 @@ def evaluation_from_results(p: Placement, wl: Workload, res: list[dict], req: Re
 def served_ok(ev: dict) -> bool:
     """An evaluation with no starving GPU, none failing to start and every request routed."""
     return ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
+
+
+def judge_placement(p: Placement, wl: Workload, *, fleet: FleetOptions | None = None, grace_s: float = GRACE_S,
+                    confidence: float | None = None, error_model: str | None = None, workers: int | None = None,
+                    ray_address: str | None = None, progress: bool = False) -> tuple[dict, int]:
+    """(the evaluation, its exit status): ``p`` replayed under ``wl``'s evaluation traffic -- each GPU alone
+    (``evaluate_placement``, on Ray when it pays) for static routing of static adapters, else the GPUs as one
+    fleet behind ``fleet``'s router (``evaluate_on_fleet``) --; ``EXIT_OK`` when every GPU served its traffic
+    (``served_ok``), else ``EXIT_NOT_ACCEPTABLE``.  At a ``confidence`` (with ``error_model``, else the
+    profile's bundled one), each GPU is also judged at it (``ev["at_confidence"]``, the margins in ``p.meta``):
+    a GPU whose margin at C is below rho - 1 makes the placement not acceptable."""
+    fleet = fleet or FleetOptions()
+    if (fleet.router, fleet.adapters) == ("static", "static"):       # today's per-GPU replay (on Ray)
+        ev = evaluate_placement(p, wl, workers=workers, ray_address=ray_address, progress=progress, grace_s=grace_s)
+    else:
+        ev = evaluate_on_fleet(p, wl, fleet, grace_s=grace_s)
+    code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
+    if confidence is not None:
+        annotate(p, wl, resolve_bound(load_profile(p.profile), confidence, error_model))
+        ev["at_confidence"] = at_confidence(p, wl.rho)
+        if ev["at_confidence"]["gpus_below"]:
+            code = EXIT_NOT_ACCEPTABLE
+    return ev, code
 
 
 def evaluation_table(ev: dict) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json
-from twin.flags import EngineFlags, check_rank
+from twin.errors import ScenarioError
+from twin.flags import EngineFlags, check_rank, flag_values
 from twin.parsing import (build_dataclass, check_adapter_id, check_adapter_path, check_finite, check_type,
                           parse_json_text, read_text_file)
 from twin.profile import VLLM_LORA_RANKS, Profile
@@ -61,10 +62,22 @@ class GPUConfig(EngineFlags):
     max_model_len: int = field()
     """Explicit, so start-up never depends on the model's default."""
 
+    @classmethod
+    def from_flags(cls, flags: EngineFlags) -> GPUConfig:
+        """The GPU's flags from resolved ones (``twin.flags.resolve_flags``: ``policies.base.gpu_config``);
+        ScenarioError naming a flag that is still unset -- placement.json pins every flag, a new one
+        included (a flag no file, profile or declaration gives a value has none to pin)."""
+        values = flag_values(flags)
+        unset = [name for name, value in values.items() if value is None]
+        if unset:
+            raise ScenarioError(f"engine.{unset[0]}: no value for the GPU's vllm serve command: set it in the "
+                                "workload's engine: section (neither the profile nor the flag's declaration "
+                                "gives a default)")
+        return cls(**values)
+
     def startup_check(self, profile: Profile) -> tuple[bool, int, str]:
         """(starts, KV tokens, reason) of this instance by the profile's memory model."""
-        return profile.startup_check(self.max_loras, self.max_lora_rank, self.gpu_memory_utilization,
-                                     self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs)
+        return profile.startup_check(self)
 
 
 @dataclass
@@ -203,6 +216,10 @@ def placement_problems(p: Placement, profile: Profile, *, include_startup: bool 
     for extra in sorted(set(p.routes) - set(ids)):
         problems.append(f"route for unknown adapter {extra}")
     for i, g in enumerate(p.gpus):
+        unset = [name for name, value in flag_values(g).items() if value is None]
+        if unset:
+            problems.append(f"GPU {i}: {', '.join(unset)} not set (placement.json pins every engine flag)")
+            continue
         if g.max_lora_rank not in VLLM_LORA_RANKS:
             problems.append(f"GPU {i}: max_lora_rank {g.max_lora_rank} not in {list(VLLM_LORA_RANKS)}")
         if g.max_cpu_loras < g.max_loras:

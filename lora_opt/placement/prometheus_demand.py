@@ -74,6 +74,14 @@ class PrometheusDemand:
     per_model_lengths: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Model name -> (mean input, mean output tokens)."""
 
+    def summary(self) -> str:
+        """What was read, in one line (``place`` and ``replan --prometheus`` print it)."""
+        lengths = (f"; lengths in {self.lengths['mean_in']:.0f} +- {self.lengths['std_in']:.0f}, out "
+                   f"{self.lengths['mean_out']:.0f} +- {self.lengths['std_out']:.0f} tokens" if self.lengths
+                   else "; no token counts (the workload's lengths kept)")
+        return (f"rates from {self.url}: {self.requests:,.0f} requests of {len(self.rates)} model(s) over the last "
+                f"{self.window} (scrape interval {self.scrape_interval_s:g} s){lengths}")
+
 
 class Prometheus:
     """Prometheus' HTTP API at ``url`` (plain HTTP GETs; no proxy from the environment)."""

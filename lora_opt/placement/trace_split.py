@@ -25,7 +25,7 @@ from twin.errors import ScenarioError
 from twin.flags import resolve_flags
 from twin.profile import load_profile
 from twin.scenario import DEFAULT_RHO, ArrivalConfig, LengthConfig, build_scenario
-from twin.workload import Requests, draw_lengths, load_trace
+from twin.workload import Requests, draw_lengths, fit_context, load_trace
 
 
 @dataclass
@@ -100,10 +100,10 @@ def trace_split(trace: str, *, profile: str, n_adapters: int, ranks, target_rate
                         lengths={"source": lengths if lengths != "trace" else "sharegpt"}, seed=seed,
                         where="trace split")
     engine = PlacementEngine(max_model_len=max_model_len)
-    mml = resolve_flags(engine, load_profile(profile).flag_defaults()).max_model_len
+    prof = load_profile(profile)
+    mml = resolve_flags(engine, prof.flag_defaults(), prof.flag_rules()).max_model_len
     if lengths == "trace":
-        from twin.workload import _fit_context
-        i_len, o_len = _fit_context(tr["in_len"].to_numpy()[rows], tr["out_len"].to_numpy()[rows], mml)
+        i_len, o_len = fit_context(tr["in_len"].to_numpy()[rows], tr["out_len"].to_numpy()[rows], mml)
     else:
         i_len, o_len = draw_lengths(sc, rng_len, arr.size, mml)
     req = Requests(arrival=np.ascontiguousarray(arr, np.float64), adapter=adapter.astype(np.int32),

@@ -11,28 +11,26 @@ checked against the option table recorded from that release's own parser
 ``tools/vllm_tier/dump_serve_args.py``, 0.33 from the GPU wheel) without installing vLLM.  Where one
 spelling is valid in every recorded release it is the one written.  The release is ``--vllm-version``
 when given, else the profile's ``vllm_version`` when lora-opt has its table, else
-:data:`DEFAULT_VLLM_VERSION` (:func:`resolve_vllm_version`).  The real-vLLM test tier starts the
+``twin.flags.DEFAULT_VLLM_VERSION`` (:func:`resolve_vllm_version`).  The real-vLLM test tier starts the
 emitted command of a placement with vLLM 0.32 (tests/real_vllm/test_launch_real.py).
 """
 from __future__ import annotations
 
 import functools
-import json
 import re
 
 from lora_opt.placement.plan import GPUConfig, Placement
 from twin.errors import ScenarioError
-from twin.flags import PER_INSTANCE_FLAGS, flag_values, release_key, serve_option
-from twin.parsing import check_adapter_id, check_adapter_path
+from twin.flags import DEFAULT_VLLM_VERSION, PER_INSTANCE_FLAGS, flag_values, release_key, serve_option
+from twin.parsing import check_adapter_id, check_adapter_path, read_json_file
 from twin.paths import VLLM_SERVE_ARGS_DIR
 
 #: vLLM releases (major.minor) lora-opt writes launch commands for -> the option table of that
 #: release's ``vllm serve`` parser
 SERVE_ARG_TABLES = {"0.32": "vllm_serve_args-0.32.0.json", "0.33": "vllm_serve_args-0.33.0.json"}
-#: the release commands are written for when neither ``--vllm-version`` nor the profile names one of
-#: :data:`SERVE_ARG_TABLES` (the H100 profiles were measured on vLLM 0.8.5, whose flags lora-opt does
-#: not write: their commands target the newest release it has a table for)
-DEFAULT_VLLM_VERSION = "0.33"
+# the release commands are written for when neither ``--vllm-version`` nor the profile names one of
+# :data:`SERVE_ARG_TABLES` is ``twin.flags.DEFAULT_VLLM_VERSION`` (the H100 profiles were measured on
+# vLLM 0.8.5, whose flags lora-opt does not write: their commands target the newest release it has a table for)
 #: switches every command pins, each with its spellings across releases (the twin models neither
 #: prefix caching nor async scheduling): :func:`switch_spelling` picks one
 PINNED_SWITCHES = (("--no-enable-prefix-caching", "--disable-prefix-caching"), ("--no-async-scheduling",))
@@ -47,7 +45,7 @@ def release_of(version: str) -> str:
 def resolve_vllm_version(requested: str | None, profile_version: str | None = None,
                          error: type[Exception] = ScenarioError, where: str = "--vllm-version") -> str:
     """The release launch commands are written for: ``requested`` (refused unless lora-opt has its
-    option table), else the profile's ``vllm_version`` when it has one, else :data:`DEFAULT_VLLM_VERSION`."""
+    option table), else the profile's ``vllm_version`` when it has one, else ``DEFAULT_VLLM_VERSION``."""
     if requested is not None:
         release = release_of(requested)
         if release not in SERVE_ARG_TABLES:
@@ -65,7 +63,7 @@ def serve_arg_table(version: str = DEFAULT_VLLM_VERSION) -> dict:
     release = release_of(version)
     if release not in SERVE_ARG_TABLES:
         raise ScenarioError(f"vLLM {version}: no vllm serve option table (have {', '.join(SERVE_ARG_TABLES)})")
-    return json.loads((VLLM_SERVE_ARGS_DIR / SERVE_ARG_TABLES[release]).read_text())
+    return read_json_file(VLLM_SERVE_ARGS_DIR / SERVE_ARG_TABLES[release], "vllm serve option table")
 
 
 def serve_options(version: str = DEFAULT_VLLM_VERSION) -> dict:

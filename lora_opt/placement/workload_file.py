@@ -92,11 +92,11 @@ class Workload:
         return sum(a.rate for a in self.adapters)
 
     def resolved_engine(self, profile: Profile) -> PlacementEngine:
-        """The shared flags with every unset one resolved from the profile's defaults
-        (``twin.flags.resolve_flags``; ``max_model_len`` null: the model's context), as each GPU's
-        are (``policies.base.gpu_config``); the per-GPU flags stay unset."""
+        """The shared flags with every unset one resolved from the profile's defaults and its vLLM
+        release's rules (``twin.flags.resolve_flags``; ``max_model_len`` null: the model's context), as
+        each GPU's are (``policies.base.gpu_config``); the per-GPU flags stay unset."""
         return resolve_flags(self.engine, {k: v for k, v in profile.flag_defaults().items()
-                                           if k not in PlacementEngine.REFUSED_KEYS})
+                                           if k not in PlacementEngine.REFUSED_KEYS}, profile.flag_rules())
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

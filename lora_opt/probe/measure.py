@@ -36,7 +36,7 @@ import numpy as np
 # the emulator's raw-HTTP streaming request (a timestamp per token: counted from each chunk's token
 # ids, as vLLM merges tokens into one chunk when its front end falls behind): the client validate
 # uses, shared
-from lora_opt.emulate.client import PromptTokens, Record, _one, split_url
+from lora_opt.emulate.client import PromptTokens, Record, split_url, stream_one
 
 #: steps on each side of the pure-decode window left out (the streams' front-end delays differ)
 WINDOW_MARGIN_STEPS = 2.0
@@ -86,8 +86,8 @@ async def _send(url: str, model: str, in_len: int, max_tokens: int, t0: float, k
                 prompts: PromptTokens | None) -> Record:
     host, port, root = split_url(url)
     rec = Record(0.0, int(in_len), int(max_tokens))
-    await _one(host, port, root + "/v1/completions", model, rec, t0, (prompts or PromptTokens()).prompt(k, in_len),
-               count_token_ids=True)
+    await stream_one(host, port, root + "/v1/completions", model, rec, t0,
+                     (prompts or PromptTokens()).prompt(k, in_len), count_token_ids=True)
     return rec
 
 

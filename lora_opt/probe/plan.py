@@ -42,7 +42,7 @@ from lora_opt.emulate.client import PromptTokens, error_message, server_prompt_t
 from lora_opt.errors import InputError
 from lora_opt.probe.measure import (MAX_BURST_SHARE, MAX_STREAM_SPREAD, batch_run, cycle_load_ms,
                                     kv_blocks_from_metrics, load_cycles, ttft_runs, window_noise, window_step)
-from lora_opt.validate.live import _get
+from lora_opt.validate.live import http_get
 
 #: runs of a window with bursts (see lora_opt.probe.measure) repeated at most this many times
 RETRIES = 2
@@ -141,7 +141,7 @@ def _run(coro):
 
 async def _text(url: str, path: str) -> tuple[str, str]:
     """(the body of a 200, '') or ('', why not: the HTTP status and the server's message)."""
-    status, body = await _get(url, path)
+    status, body = await http_get(url, path)
     if status == 200:
         return body.decode(errors="replace"), ""
     return "", ("no answer" if status == 0 else f"HTTP {status}: {error_message(body)}")
@@ -338,14 +338,14 @@ class ProbeOptions:
     progress: bool = True
 
 
-def _progress(total: int, enabled: bool, desc: str):
+def progress_bar(total: int, enabled: bool, desc: str):
     # tqdm only where a probe runs
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="point", disable=not enabled, leave=False)
 
 
-def _plan_points(plan: Plan, launch: bool) -> int:
+def plan_points(plan: Plan, launch: bool) -> int:
     per_rank = plan.lora_points + (2 if launch else 0)
     return (len(plan.decode_batches) * len(plan.decode_prompts) + len(plan.prefill_prompts)
             + len(plan.ranks) * per_rank + len(plan.startup_max_loras))

@@ -11,8 +11,8 @@ from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json, atomic_write_text
 from lora_opt.placement.vllm_launch import release_of, validate_serve_args
 from lora_opt.probe.launch import LORA_OPTIONS, LaunchedServer, ServeCommand
-from lora_opt.probe.plan import (Plan, ProbeContext, ProbeOptions, _plan_points, _progress, decode_family,
-                                 lora_family, lora_prefill_family, loading_family, prefill_family, server_info)
+from lora_opt.probe.plan import (Plan, ProbeContext, ProbeOptions, decode_family, lora_family, lora_prefill_family,
+                                 loading_family, plan_points, prefill_family, progress_bar, server_info)
 from lora_opt.tracking import log_dir, log_flat_metrics, tracked_run
 from lora_opt.validate.ingest import rows_csv
 
@@ -96,7 +96,7 @@ def probe_launched(base: ServeCommand, opts: ProbeOptions) -> tuple[list[dict], 
     plan = opts.plan
     commands = launch_commands(base, plan, opts.adapter_path)
     rows, info_all = [], {"launches": []}
-    bar = _progress(_plan_points(plan, True), opts.progress, f"probe {plan.name}")
+    bar = progress_bar(plan_points(plan, True), opts.progress, f"probe {plan.name}")
     tick = lambda: bar.update(1)  # noqa: E731 - a progress callback
     try:
         srv, ctx, info = _launched(commands["no_lora"], opts, "no_lora", False)
@@ -166,7 +166,7 @@ def probe_endpoint(url: str, opts: ProbeOptions) -> tuple[list[dict], dict]:
     rows = [ctx.row("kv", "kv_live")]
     total = plan.lora_points if lora else (
         len(plan.decode_batches) * len(plan.decode_prompts) + len(plan.prefill_prompts))
-    bar = _progress(total, opts.progress, f"probe {plan.name}")
+    bar = progress_bar(total, opts.progress, f"probe {plan.name}")
     try:
         if lora:
             rows += lora_family(url, ctx, plan, info["adapters"], lambda: bar.update(1))

@@ -26,8 +26,8 @@ from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.policies import PlacementContext, get_policy
 from lora_opt.placement.workload_file import Workload
 from lora_opt.search.deployments import DEFAULT_DEPLOYMENT, check_deployment, study_suffix
-from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchSetup, Traffic, heldout_verdict, hypervolume,
-                                   nondominated, replay_front, run_search, traffic_halves)
+from lora_opt.search.study import (DEFAULT_OBJECTIVE, REF_LATENCY_MS, SearchOptions, SearchSetup, Traffic,
+                                   heldout_verdict, hypervolume, nondominated, replay_front, run_search, traffic_halves)
 from lora_opt.tracking import log_dir, log_flat_metrics, log_params, tracked_run
 
 METHODS = ("greedy-plus", "greedy", "search")
@@ -140,9 +140,9 @@ def _sweep_point(c, conf, i: int, wl, pool: int, ctx, config: ParetoConfig, traf
         name = f"{wl.name or 'workload'}-{pool}gpus-{objective}-{c.label}".replace(" ", "").replace("<=", "le")
         name += "" if setup.confidence is None else f"-C{setup.confidence:g}"
         name += study_suffix(deployment, config.fleet.router, config.fleet.adapters)
-        res = run_search(dsetup, history_ctx, traffic["search"], trials=config.trials,
-                         storage=f"sqlite:///{storage_dir / 'studies.db'}", study_name=name,
-                         seed=criterion_seed(config.seed, i), workers=workers, ray_address=ray_address, progress=False)
+        res = run_search(dsetup, history_ctx, traffic["search"], SearchOptions(
+            trials=config.trials, storage=f"sqlite:///{storage_dir / 'studies.db'}", study_name=name,
+            seed=criterion_seed(config.seed, i), workers=workers, ray_address=ray_address, progress=False))
         for r in replay_front(res.front, dsetup, traffic["eval"], workers=workers, ray_address=ray_address):
             points.append({"method": method, **tag, "gpus": r["gpus"], "latency_ms": r["heldout"],
                            "feasible": r["heldout_feasible"], "search_latency_ms": r[objective], "trial": r["trial"],

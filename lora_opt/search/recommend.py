@@ -28,6 +28,7 @@ from lora_opt.placement.instances import FleetOptions
 from lora_opt.placement.plan import Placement
 from lora_opt.placement.policies.packing import max_loras_that_start
 from lora_opt.placement.workload_file import Workload
+from lora_opt.replan.router_config import VLLM_ROUTER_POLICIES
 from lora_opt.search.deployments import every_gpu_placement, hottest, hybrid_placement, tail_workload
 from twin.errors import ScenarioError
 
@@ -54,6 +55,8 @@ PICKER = "lora-affinity"
 #: the routers the every-gpu candidates are judged behind: those ``place`` writes a configuration for -- the
 #: picker (the Gateway API Inference Extension's), and vllm-router's policies
 EVERY_GPU_ROUTERS = (PICKER, "round-robin", "power-of-two", "consistent-hash")
+#: the p99 TTFT bound deployments are judged at when none is given (greedy-plus's verification default)
+SLO_TTFT_P99_S = 5.0
 
 
 @dataclass
@@ -80,6 +83,13 @@ class Candidate:
 
     def _p99(self) -> float:
         return self.ttft_p99_ms if self.ttft_p99_ms is not None else float("inf")
+
+    def to_dict(self) -> dict:
+        """The candidate as ``place --json`` gives it (without its placement)."""
+        return {"deployment": self.deployment, "gpus": self.gpus, "ok": self.ok, "ttft_p99_ms": self.ttft_p99_ms,
+                "served_fraction": self.served_fraction, "adapter_loads_per_s": self.adapter_loads_per_s,
+                "detail": self.detail, "router": self.fleet.router if self.fleet else None,
+                "adapters": self.fleet.adapters if self.fleet else None}
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
@@ -143,8 +153,7 @@ def _every_gpu(wl, profile, pool, load, ttft_p99_s, most) -> list[Candidate]:
     router only where it could match it: at one GPU fewer, then as many): each router's fewest GPUs that meet
     the SLO, or the closest miss when none does."""
     e = wl.resolved_engine(profile)
-    amax = max_loras_that_start(profile, max(a.rank for a in wl.adapters), e.gpu_memory_utilization,
-                                e.max_num_batched_tokens, e.max_model_len, e.max_num_seqs, len(wl.adapters))
+    amax = max_loras_that_start(profile, max(a.rank for a in wl.adapters), e, len(wl.adapters))
     if amax < 1:
         return [Candidate("every-gpu", None, False, detail="no A_max starts at the largest rank")]
     best, met = None, []
@@ -277,3 +286,69 @@ def candidates_table(cands: list[Candidate]) -> str:
                      f"{f(c.ttft_p99_ms, ',.0f'):>11} {f(c.served_fraction, '.1%'):>7} "
                      f"{f(c.adapter_loads_per_s, '.1f'):>7}  {c.detail}")
     return "\n".join(lines)
+
+
+def judged_note(wl: Workload, load: float, how: str, ttft_p99_s: float, history: str | None) -> str:
+    """How the deployments were judged, in words."""
+    traffic = ("the workload's evaluation traffic" +
+               (" at the rates observed in the request log (not its own requests)" if history else ""))
+    return (f"deployments judged on the fleet twin: {judge_window_s(wl):g} s of {traffic} at {load:.3f}x every rate "
+            f"({how}), "
+            f"no GPU starving at rho {wl.rho:g}, p99 TTFT <= {ttft_p99_s:g} s")
+
+
+def router_config_for(router: str) -> str:
+    """The ``--emit-router`` configuration of a fleet-twin router: the Gateway API Inference Extension for the
+    picker, vllm-router for its policies."""
+    return f"vllm-router:{router}" if router in VLLM_ROUTER_POLICIES else "gateway"
+
+
+def router_note(best: Candidate, emit_router: str | None) -> str:
+    """What routes a deployment judged behind a router other than its weights, and where its configuration is."""
+    on_use = " with adapters loaded on use" if best.fleet.adapters == "on-demand" else ""
+    wanted = router_config_for(best.fleet.router)
+    name = "the Gateway API Inference Extension" if wanted == "gateway" else "vllm-router"
+    file = "router/inference-pools.yaml" if wanted == "gateway" else "router/vllm-router.sh"
+    where = (f"{file} has {name}'s configuration" if emit_router == wanted else
+             f"--emit-router {emit_router} was asked for instead of {wanted}" if emit_router else
+             f"--emit-vllm also writes {name}'s configuration")
+    return (f"{best.deployment} was judged behind the {best.fleet.router} router{on_use}: route with it ({where}); "
+            "router.json's fixed weights are not what was judged")
+
+
+def recommendation_line(judged: list[Candidate]) -> str:
+    """The recommended deployment, the runner-up and why each other deployment lost, in words."""
+    best = judged[0]
+    if not best.ok:
+        return "no deployment meets the SLO (see the notes above)"
+    why = []
+    seen = {best.deployment}
+    for c in judged[1:]:
+        if c.deployment in seen:      # a deployment's other tries (missed confirmations): in the table
+            continue
+        seen.add(c.deployment)
+        if not c.ok:
+            why.append(f"{c.deployment} misses it ({c.detail or 'not met'}"
+                       + (f" at {c.gpus} GPU(s))" if c.gpus else ")"))
+        elif c.gpus > best.gpus:
+            why.append(f"{c.deployment} needs {c.gpus} GPU(s)")
+        elif c.ttft_p99_ms <= best.ttft_p99_ms * (1 + P99_TIE):
+            why.append(f"{c.deployment} also {c.gpus}, p99 TTFT {c.ttft_p99_ms:,.0f} ms (within {P99_TIE:.0%}: a tie) "
+                       f"but {c.adapter_loads_per_s:.1f} adapter loads/s against {best.adapter_loads_per_s:.1f}")
+        else:
+            why.append(f"{c.deployment} also {c.gpus}, p99 TTFT {c.ttft_p99_ms:,.0f} ms "
+                       f"(+{c.ttft_p99_ms / best.ttft_p99_ms - 1:.0%})")
+    runner = next((c for c in judged[1:] if c.ok and c.deployment != best.deployment), None)
+    if runner is not None:          # the runner-up first, named
+        i = [c for c in judged[1:] if c.deployment != best.deployment].index(runner)
+        why.insert(0, "runner-up: " + why.pop(i))
+    draws = f" on all {JUDGE_SEEDS + CONFIRM_DRAWS} draws of the traffic" if best.confirmed else ""
+    return (f"recommended: {best.deployment} on {best.gpus} GPU(s), p99 TTFT {best.ttft_p99_ms:,.0f} ms -- the fewest "
+            f"GPUs that meet the SLO{draws}" + ("; " + "; ".join(why) if why else ""))
+
+
+def no_deployment_message(judged: list[Candidate], gpus: int) -> str:
+    """Why nothing is recommended: each deployment's binding constraint."""
+    why = "; ".join(f"{c.deployment}: {c.detail or 'not met'}" + (f" at {c.gpus} GPUs" if c.gpus else "")
+                    for c in judged)
+    return f"infeasible: no deployment meets the SLO within {gpus} GPUs ({why}); rerun with more --gpus"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from lora_opt.errors import InputError
 from lora_opt.parallel import TaskPool
 from lora_opt.placement.evaluate import (GRACE_S, Criterion, evaluate_on_fleet, evaluate_placement, served_ok,
                                         with_evaluation, workload_requests)
@@ -169,8 +171,7 @@ class SearchSetup:
         rates = np.array([a.rate for a in wl.adapters], float)
         prof = ctx.profile
         e = wl.resolved_engine(prof)
-        caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
-                                             e.max_model_len, e.max_num_seqs, AMAX_MAX) for r in set(ranks.tolist())}
+        caps = {int(r): max_loras_that_start(prof, int(r), e, AMAX_MAX) for r in set(ranks.tolist())}
         if not isinstance(batch, int) or batch < 1:
             raise ScenarioError(f"batch: must be an integer >= 1, got {batch!r}")
         bound = confidence.bound if confidence is not None else None
@@ -212,6 +213,39 @@ def run_trial(params: dict, setup: SearchSetup, traffic: Traffic) -> dict:
                         "gpus_failing_startup": ev["gpus_failing_startup"],
                         **{k: ev[k] for k in ("adapter_loads_cpu", "adapter_loads_disk") if k in ev}},
             "wall_s": time.perf_counter() - t0}
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How a study runs, whichever backend drives its trials (``run_search``, ``tune.run_tune_search``)."""
+
+    trials: int = 64
+    """Trials the study is run (or resumed) until, counting those it already has, >= 1."""
+    storage: str | None = None
+    """Optuna storage URL the study lives in (resumes from it; None: ``sqlite:///lora-opt-search.db``)."""
+    study_name: str | None = None
+    """The study's name (None: ``<workload>-<gpus>gpus-<objective>`` and the setup's suffixes, ``open_study``)."""
+    seed: int = 0
+    """Sampler seed, >= 0 (ask/tell: the same trials and front for any ``workers``)."""
+    workers: int | None = None
+    """Parallel trials (1 = serial, no Ray; None = serial when the trials are too few to pay Ray's start-up,
+    else Ray on all cores), >= 1."""
+    ray_address: str | None = None
+    """An existing Ray cluster (None = ``RAY_ADDRESS`` or a local instance)."""
+    seeds: bool = True
+    """Start from the greedy placements (``seed_placements``), enqueued as the first trials."""
+    progress: bool = True
+    """A progress bar over the trials (stderr)."""
+
+    def __post_init__(self):
+        for name, lo in (("trials", 1), ("seed", 0), ("workers", 1)):
+            value = getattr(self, name)
+            if value is None and name == "workers":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise InputError(f"--{name}: expected an integer, got {value!r}")
+            if value < lo:
+                raise InputError(f"--{name}: must be >= {lo}, got {value}")
 
 
 @dataclass
@@ -274,9 +308,6 @@ def open_storage(storage: str, attempts: int = 5):
             time.sleep(0.2 * (attempt + 1))
 
 
-#: how trials are driven: Optuna ask/tell over Ray tasks (``run_search``), or a Ray Tune experiment
-#: (``lora_opt.search.tune.run_tune_search``)
-BACKENDS = ("ask-tell", "tune")
 #: hypervolume reference latency (ms) of the study's plots and of ``lora-opt pareto``
 REF_LATENCY_MS = 60_000.0
 
@@ -403,28 +434,29 @@ def run_batch(study, batch: list[tuple[Any, dict]], setup_ref, traffic_ref, pool
             told += 1
 
 
-def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, trials: int = 64,
-               storage: str | None = None, study_name: str | None = None, seed: int = 0,
-               workers: int | None = None, ray_address: str | None = None, timeout_s: float | None = 600.0,
-               seeds: bool = True, progress: bool = True) -> SearchResult:
-    """Run (or resume) the study until ``trials`` trials have finished.
+def run_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, options: SearchOptions = SearchOptions(),
+               *, timeout_s: float | None = 600.0) -> SearchResult:
+    """Run (or resume) the study until ``options.trials`` trials have finished.
 
-    Reproducible: trials are asked ``setup.batch`` at a time (the sampler seeded from ``seed`` and the
-    number of trials so far, ``batch_sampler``), evaluated in parallel, and told in trial-number
+    Reproducible: trials are asked ``setup.batch`` at a time (the sampler seeded from ``options.seed`` and
+    the number of trials so far, ``batch_sampler``), evaluated in parallel, and told in trial-number
     order, so a seeded study gives the same trials and front on any number of workers, and the
     trials a killed run had in flight are evaluated again when it resumes.  The exception: a trial
     that fails by running past ``timeout_s`` (a matter of timing)."""
     t0 = time.perf_counter()
-    storage = storage or "sqlite:///lora-opt-search.db"
-    with optuna_quiet(), tqdm(total=trials, desc="search: greedy seeds", unit="trial", disable=not progress) as bar:
-        study, study_name = open_study(setup, storage, study_name, seed)
+    trials, seed = options.trials, options.seed
+    storage = options.storage or "sqlite:///lora-opt-search.db"
+    with optuna_quiet(), tqdm(total=trials, desc="search: greedy seeds", unit="trial",
+                              disable=not options.progress) as bar:
+        study, study_name = open_study(setup, storage, options.study_name, seed)
         stale = [(t, suggest(t, setup)) for t, _ in stale_batch(study)]   # killed mid-ask: asks what is missing
-        if seeds:
+        if options.seeds:
             enqueue_seeds(study, setup, ctx)
         done0 = finished_trials(study)
         bar.update(done0)
         bar.set_description_str(f"study {study_name}")
-        pool = TaskPool(run_trial, workers=workers, ray_address=ray_address, tasks=max(0, trials - done0))
+        pool = TaskPool(run_trial, workers=options.workers, ray_address=options.ray_address,
+                        tasks=max(0, trials - done0))
         setup_ref, traffic_ref = pool.put(setup), pool.put(traffic)
         if stale:
             run_batch(study, stale, setup_ref, traffic_ref, pool, timeout_s, bar)

@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from lora_opt.parallel import init_ray
 from lora_opt.placement.policies import PlacementContext
-from lora_opt.search.study import (CONSTRAINTS, SearchResult, SearchSetup, Traffic, enqueue_seeds, finished_trials,
-                                   front_rows, open_storage, open_study, optuna_quiet, run_trial, suggest)
+from lora_opt.search.study import (CONSTRAINTS, SearchOptions, SearchResult, SearchSetup, Traffic, enqueue_seeds,
+                                   finished_trials, front_rows, open_storage, open_study, optuna_quiet, run_trial,
+                                   suggest)
 
 #: Tune result keys: the two objectives, the constraints, the metrics (flat: Tune flattens nested results)
 OBJECTIVE_KEYS = ("objective_gpus", "objective_latency")
@@ -120,12 +121,10 @@ def fail_lost(study) -> int:
     return len(lost)
 
 
-def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic, *, tune_dir: Path,
-                    trials: int = 64, storage: str | None = None, study_name: str | None = None, seed: int = 0,
-                    workers: int | None = None, ray_address: str | None = None, seeds: bool = True,
-                    progress: bool = True) -> SearchResult:
+def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic,
+                    options: SearchOptions = SearchOptions(), *, tune_dir: Path) -> SearchResult:
     """Run (or resume, from ``tune_dir/<study>``) the study as a Ray Tune experiment until
-    ``trials`` trials have finished.  No per-trial time limit (Tune has none; the default backend's
+    ``options.trials`` trials have finished.  No per-trial time limit (Tune has none; the default backend's
     is ``timeout_s``); ``setup.batch`` does not apply (Tune asks whenever a slot frees up)."""
     import optuna  # heavy optional dependency: only when a study runs
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")   # no CSV/JSON/TensorBoard files per trial
@@ -136,16 +135,17 @@ def run_tune_search(setup: SearchSetup, ctx: PlacementContext, traffic: Traffic,
     from ray import tune  # heavy optional dependency: only in the Tune backend
 
     t0 = time.perf_counter()
-    storage = storage or "sqlite:///lora-opt-search.db"
+    trials, seed, workers = options.trials, options.seed, options.workers
+    storage = options.storage or "sqlite:///lora-opt-search.db"
     with optuna_quiet(), tqdm(total=trials, desc="search (tune): greedy seeds", unit="trial",
-                              disable=not progress) as bar:
-        study, study_name = open_study(setup, storage, study_name, seed)
-        if seeds:
+                              disable=not options.progress) as bar:
+        study, study_name = open_study(setup, storage, options.study_name, seed)
+        if options.seeds:
             enqueue_seeds(study, setup, ctx)
         done0 = finished_trials(study)
         bar.update(done0)
         bar.set_description_str(f"study {study_name} (tune)")
-        init_ray(ray_address, workers)
+        init_ray(options.ray_address, workers)
         trainable = tune.with_resources(tune.with_parameters(tune_trial, setup=setup, traffic=traffic), {"cpu": 1})
         exp_dir = Path(tune_dir).resolve() / study_name
         run_config = tune.RunConfig(name=study_name, storage_path=str(exp_dir.parent), verbose=0,

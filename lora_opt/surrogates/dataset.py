@@ -27,11 +27,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-import twin
 from lora_opt.io import atomic_write_bytes, atomic_write_json
 from lora_opt.parallel import run_batches, simulate_dict
 from lora_opt.surrogates.features import DEFAULT_TOKENS_PER_REQUEST, gpu_features
-from lora_opt.tracking import tracked_run
+from lora_opt.tracking import profile_hash, tracked_run, twin_version
 from twin.errors import ScenarioError
 from twin.paths import GRIDS_DIR
 from twin.parsing import build_dataclass, check_choice, check_finite, check_type, read_config_file
@@ -285,20 +284,6 @@ def make_row(item: dict, res: dict) -> dict:
     return row
 
 
-def twin_version() -> str:
-    """Package version + a hash of the twin's source: rows say exactly which twin made them."""
-    h = hashlib.sha256()
-    for f in sorted(Path(twin.__file__).parent.glob("*.py")):
-        h.update(f.read_bytes())
-    return f"{twin.__version__}+{h.hexdigest()[:10]}"
-
-
-def _profile_info(profile: str) -> tuple[str, str]:
-    p = load_profile(profile)
-    src = Path(p.source)
-    return p.name, hashlib.sha256(src.read_bytes()).hexdigest()[:16]
-
-
 def shard_path(out: Path, i: int) -> Path:
     return out / f"shard-{i:05d}.parquet"
 
@@ -343,7 +328,8 @@ def generate(profile: str | None, grid_path: str | Path, out: str | Path, *, wor
     profile = profile or file_profile
     if not profile:
         raise ScenarioError("dataset: no profile (give --profile or a 'profile:' field in the grid file)")
-    prof_name, prof_hash = _profile_info(profile)
+    prof = load_profile(profile)
+    prof_name, prof_hash = prof.name, profile_hash(prof)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out)

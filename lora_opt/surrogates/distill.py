@@ -27,7 +27,6 @@ Method
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from lora_opt.smape import smape
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE, choose_threshold, error_rates
 from lora_opt.surrogates.oracle import Oracle, as_feature_matrix
 from twin.errors import ScenarioError
+from twin.parsing import read_json_file
 
 MAX_LEAVES = 32
 DISTILLED_FORMAT = "lora-opt-distilled/1"
@@ -265,8 +265,8 @@ class DistilledSurrogate(Oracle):
     @classmethod
     def load(cls, path) -> "DistilledSurrogate":
         try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            d = read_json_file(path, "distilled surrogate", allow_nan=True)
+        except ScenarioError as exc:
             raise ScenarioError(f"{path}: cannot read a distilled surrogate ({exc})") from None
         if not isinstance(d, dict) or d.get("format") != DISTILLED_FORMAT:
             raise ScenarioError(f"{path}: not a lora-opt distilled surrogate ({DISTILLED_FORMAT})")

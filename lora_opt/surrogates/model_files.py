@@ -52,6 +52,7 @@ import numpy as np
 
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_bytes, atomic_write_text
+from twin.parsing import read_json_file
 
 FORMAT = "lora-opt-surrogate/2"
 MANIFEST_NAME = "surrogate.json"
@@ -163,8 +164,8 @@ def manifest_path(path) -> Path:
 def read_manifest(path: Path) -> dict:
     """The checked manifest: plain JSON, our format tag, our model file name, a sha256."""
     try:
-        m = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        m = read_json_file(path, "surrogate manifest", InputError, allow_nan=True)
+    except InputError as exc:
         raise InputError(f"{path}: cannot read the surrogate manifest ({exc})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__

@@ -2,8 +2,6 @@
 ``surrogate``) with its parameters, metrics, plots and the two registered models."""
 from __future__ import annotations
 
-import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ from lora_opt.surrogates.features import FEATURES
 from lora_opt.smape import smape
 from lora_opt.surrogates.metrics import MAX_FALSE_FEASIBLE
 from lora_opt.surrogates.training_data import TrainingData
-from lora_opt.tracking import default_tracking_uri, mlflow_quiet, tracked_run
+from lora_opt.tracking import flat_metrics, mlflow_quiet, resolve_tracking_uri, tracked_run
 
 REGISTERED_NAMES = {"regressor": "lora-opt-throughput", "classifier": "lora-opt-starvation"}
 
@@ -72,23 +70,6 @@ def plot_confusion(starving, feasible_pred, threshold, path) -> Path:
 
 
 # ---- MLflow -----------------------------------------------------------------------------------------
-def resolve_tracking_uri(tracking_uri: str | None) -> str:
-    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
-
-
-def flat_metrics(prefix: str, d) -> dict:
-    """Every finite number of a nested dict as ``{"prefix.key.sub": value}`` (the names
-    ``tracking.log_flat_metrics`` uses), for one batched ``mlflow.log_metrics`` call: one sqlite
-    write per metric costs ~30 ms, ~200 of them several seconds."""
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(flat_metrics(f"{prefix}.{k}" if prefix else str(k), v))
-    elif isinstance(d, (int, float, np.number)) and not isinstance(d, bool) and math.isfinite(d):
-        out[prefix.replace(" ", "_").replace(",", "")] = float(d)
-    return out
-
-
 def _pip_requirements() -> list[str]:
     import scipy  # heavy optional dependencies: only when logging a model
     import skops

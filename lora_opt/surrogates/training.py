@@ -48,6 +48,7 @@ from lora_opt.surrogates.reporting import (log_distilled, log_training_run, plot
                                            write_json)
 from lora_opt.surrogates.training_data import TrainingData, label_rows, load_dataset_dir, prepare
 from twin.errors import ScenarioError
+from twin.parsing import read_json_file
 
 FAMILIES = ("rf", "knn", "svm")
 #: kernel SVMs scale quadratically in rows: they are tuned and fitted on a seeded, stratified
@@ -375,7 +376,8 @@ def train_cli(dataset_dir, out_dir, tracking_uri: str | None = None, fast: bool 
     metrics["dataset"]["dir"] = ", ".join(str(Path(d).resolve()) for d in dirs)
     write_json(out_dir / "metrics.json", metrics)
     # provenance beside the model: which labelled rows (and which twin) it was trained on
-    sources = [json.loads((Path(d) / "summary.json").read_text()) if (Path(d) / "summary.json").exists()
+    sources = [read_json_file(Path(d) / "summary.json", "dataset summary", InputError, allow_nan=True)
+               if (Path(d) / "summary.json").exists()
                else {"out": str(d)} for d in dirs]
     write_json(out_dir / "dataset_summary.json", sources[0] if len(sources) == 1 else sources)
     if track:
@@ -396,7 +398,8 @@ def add_intervals(surrogate_dir, dataset_dirs, *, seed: int = 0) -> dict:
     path = model_files.manifest_path(surrogate_dir)
     where = Path(path).parent
     summary = where / "dataset_summary.json"
-    trained_profile = json.loads(summary.read_text()).get("profile") if summary.is_file() else None
+    trained_profile = (read_json_file(summary, "dataset summary", InputError, allow_nan=True).get("profile")
+                       if summary.is_file() else None)
     profiles = sorted(set(df["profile"].astype(str))) if "profile" in df.columns else []
     if trained_profile and profiles and profiles != [trained_profile]:
         raise InputError(f"--dataset {', '.join(map(str, dirs))}: labelled for {', '.join(profiles)}; the surrogate in "
@@ -414,7 +417,7 @@ def add_intervals(surrogate_dir, dataset_dirs, *, seed: int = 0) -> dict:
     atomic_write_text(path, json.dumps(manifest, indent=1))
     metrics = where / "metrics.json"
     if metrics.is_file():
-        m = json.loads(metrics.read_text())
+        m = read_json_file(metrics, "surrogate metrics", InputError, allow_nan=True)
         m["intervals"] = result
         write_json(metrics, m)
     return result

@@ -74,7 +74,7 @@ def resolve_endpoints(p: Placement, endpoints: list[str]) -> dict[int, str]:
     return out
 
 
-async def _get(url: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+async def http_get(url: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
     """A small GET (``/version``, ``/metrics``): (status, body); (0, b"") when unreachable.  httpx
     here (a few requests a minute); the streaming client stays raw HTTP (lora_opt.emulate.client)."""
     import httpx  # only when validating: keeps the CLI's start-up light
@@ -92,7 +92,7 @@ async def _get(url: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
 def endpoint_versions(urls: dict[int, str]) -> dict[int, str]:
     """GPU -> the endpoint's ``/version`` (vLLM's ``{"version": ...}``), or ``unreachable``."""
     async def one(url):
-        status, body = await _get(url, "/version")
+        status, body = await http_get(url, "/version")
         if status != 200:
             return "unreachable" if status == 0 else f"HTTP {status}"
         try:
@@ -119,7 +119,7 @@ def emulator_lags(urls: dict[int, str]) -> dict[int, dict]:
     time: what a client's TTFT takes from the machine); endpoints without that route (vLLM) are
     left out."""
     async def one(url):
-        status, body = await _get(url, "/emulator/stats")
+        status, body = await http_get(url, "/emulator/stats")
         if status != 200:
             return None
         try:
@@ -156,7 +156,7 @@ class Scrapes:
 async def _scrape_loop(urls: dict[int, str], every_wall_s: float, speed: float, t0: list, out: Scrapes,
                        stop: asyncio.Event) -> None:
     async def one(g, url):
-        status, body = await _get(url, "/metrics")
+        status, body = await http_get(url, "/metrics")
         if status == 200 and t0:
             lines = [ln for ln in body.split(b"\n") if ln.startswith(SCRAPED)]
             out.raw.setdefault(g, []).append(((time.perf_counter() - t0[0]) * speed, lines))

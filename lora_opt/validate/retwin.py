@@ -7,7 +7,6 @@ endpoints' versions and ``max_model_len``) exactly as ``validate`` built them; t
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 from lora_opt.errors import InputError
@@ -16,6 +15,7 @@ from lora_opt.placement.plan import Placement
 from lora_opt.placement.workload_file import Workload
 from lora_opt.validate.live import SERIES_COLUMNS
 from lora_opt.validate.report import admit_requests, real_series_by_gpu, twin_side, write_plots, write_twin
+from twin.parsing import read_json_file
 from twin.scenario import ARRIVAL_PROCESSES
 
 #: what a stored run must hold
@@ -48,7 +48,7 @@ def retwin(run_dir: str | Path, p: Placement, wl: Workload, *, workers: int | No
     if missing:
         raise InputError(f"--twin-only {run_dir}: not a stored validation run (missing {', '.join(missing)}); "
                          "it is the --out directory of an earlier lora-opt validate")
-    stored = json.loads((run / "real.json").read_text())
+    stored = read_json_file(run / "real.json", "stored validation", InputError, allow_nan=True)
     info = stored.pop("info")
     if info.get("requests_from") not in ARRIVAL_PROCESSES:
         raise InputError(f"--twin-only {run_dir}: the run replayed {info.get('requests_from')!r}, not the workload's "

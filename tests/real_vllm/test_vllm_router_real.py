@@ -31,9 +31,10 @@ def router_binary() -> str | None:
 
 
 def _helpers():
-    """experiments/fleet_router/vllm_router.py's router helpers (a script folder, not a package)."""
-    path = ROOT / "experiments" / "fleet_router" / "vllm_router.py"
-    spec = importlib.util.spec_from_file_location("fleet_router_helpers", path)   # not the wheel's vllm_router
+    """The vllm-router experiments' shared helpers, experiments/fleet_router/router_common.py (a script
+    folder, not a package)."""
+    path = ROOT / "experiments" / "fleet_router" / "router_common.py"
+    spec = importlib.util.spec_from_file_location("fleet_router_common", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -190,7 +190,8 @@ def dataclass_section(cls: type, title: str, known: dict[str, type], level: str 
 
 def _config_files():
     """(heading, intro, [(section title, dataclass)]) per input file, in the order a user meets them."""
-    from lora_opt.placement import drift, plan, workload_file
+    from lora_opt.placement import plan, workload_file
+    from lora_opt.replan import drift
     from twin import flags, profile, scenario
 
     return [

@@ -9,6 +9,7 @@ decides the assignment.  Contract tests (``tests/test_policies.py``) run over ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import time
@@ -24,7 +25,7 @@ from lora_opt.surrogates.oracle import ORACLE_FILES, Oracle, Surrogate
 from lora_opt.surrogates.registry import surrogate_dir as resolve_surrogate
 from twin.errors import ScenarioError
 from twin.paths import SURROGATES_DIR
-from twin.flags import EngineFlags, flag_values, max_lora_rank_for, resolve_flags, shared_flags
+from twin.flags import max_lora_rank_for, resolve_flags
 from twin.profile import Profile, load_profile
 
 
@@ -43,6 +44,9 @@ class GPUAssignment:
     (fraction); None when the policy has no oracle."""
     verified_load: float | None = None
     """The load factor at which the twin verified this GPU (greedy-plus), None if not verified."""
+    config: GPUConfig | None = None
+    """The instance's flags when the policy made them (``gpu_config``; greedy-plus: the flags the twin
+    verified), so nothing makes them again; None: ``PlacementPolicy.place`` makes them."""
 
 
 @dataclass
@@ -105,11 +109,11 @@ class PlacementContext:
 def gpu_config(wl: Workload, profile: Profile, ranks, n_adapters: int, max_loras: int) -> GPUConfig:
     """The flags of one GPU: the workload's shared ones, A_max, the smallest vLLM rank that holds
     ``ranks`` and a CPU cache for all ``n_adapters``, every unset flag resolved from the profile
-    (``twin.flags.resolve_flags``, as a scenario's are)."""
-    chosen = {"max_loras": int(max_loras), "max_lora_rank": max_lora_rank_for(ranks),
-              "max_cpu_loras": int(max(max_loras, n_adapters))}
-    flags = EngineFlags(**{**shared_flags(wl.engine), **chosen})
-    return GPUConfig(**flag_values(resolve_flags(flags, profile.flag_defaults())))
+    and its vLLM release's rules (``twin.flags.resolve_flags``, as a scenario's are), every flag set
+    (``GPUConfig.from_flags``)."""
+    flags = dataclasses.replace(wl.engine, max_loras=int(max_loras), max_lora_rank=max_lora_rank_for(ranks),
+                                max_cpu_loras=int(max(max_loras, n_adapters)))
+    return GPUConfig.from_flags(resolve_flags(flags, profile.flag_defaults(), profile.flag_rules()))
 
 
 class PlacementPolicy:
@@ -144,8 +148,8 @@ class PlacementPolicy:
         used = [g for g in asg.gpus if g.adapters]
         configs, routes = [], {}
         for gi, g in enumerate(used):
-            ranks = [wl.adapters[i].rank for i, _ in g.adapters]
-            configs.append(gpu_config(wl, ctx.profile, ranks, len(g.adapters), g.max_loras))
+            configs.append(g.config or gpu_config(wl, ctx.profile, [wl.adapters[i].rank for i, _ in g.adapters],
+                                                  len(g.adapters), g.max_loras))
             for i, w in g.adapters:
                 routes.setdefault(wl.adapters[i].id, []).append((gi, float(w)))
         needed = len(used)

@@ -32,15 +32,13 @@ class StartableCap:
     below 1: a GPU where even one adapter slot does not start is reported as failing to start."""
 
     def __init__(self, wl: Workload, profile: Profile):
-        e = wl.resolved_engine(profile)
-        self._args = (e.gpu_memory_utilization, e.max_num_batched_tokens, e.max_model_len, e.max_num_seqs)
+        self._flags = wl.resolved_engine(profile)
         self._profile, self._limit, self._caps = profile, max(1, len(wl.adapters)), {}
 
     def cap(self, lora_rank: int) -> int:
         """Largest startable A_max for this ``--max-lora-rank`` (up to the workload's adapters)."""
         if lora_rank not in self._caps:
-            u, mnbt, mml, mns = self._args
-            self._caps[lora_rank] = max_loras_that_start(self._profile, lora_rank, u, mnbt, mml, mns, self._limit)
+            self._caps[lora_rank] = max_loras_that_start(self._profile, lora_rank, self._flags, self._limit)
         return self._caps[lora_rank]
 
     def __call__(self, ranks, n_adapters: int) -> int:

@@ -61,6 +61,7 @@ import twin
 from lora_opt.calibration.error_model import check_confidence
 from lora_opt.placement.confidence import resolve_bound
 from lora_opt.placement.evaluate import GRACE_S, Criterion
+from lora_opt.placement.plan import GPUConfig
 from lora_opt.placement.policies.base import (Assignment, GPUAssignment, PlacementContext, PlacementPolicy,
                                               gpu_config)
 from lora_opt.placement.policies.packing import max_loras_that_start, priority_order
@@ -316,7 +317,7 @@ class GreedyPlus(_GreedyBase):
         at the expected rates for ``verify_s`` seconds with the workload's lengths.  ``cfg``: the
         instance's flags when they are given (a running instance keeps its own), else the policy's."""
         ads = [wl.adapters[i] for i in idx]
-        cfg = cfg or gpu_config(wl, ctx.profile, [a.rank for a in ads], len(ads), amax)
+        cfg = cfg or self._config(wl, ctx, idx, amax)
         criterion = self.criterion or Criterion(rho=wl.rho)
         self.prepare(ctx)
         f = self.verify_load
@@ -346,11 +347,12 @@ class GreedyPlus(_GreedyBase):
         return self.ttft_p99_s is None or p99 is None or p99 <= self.ttft_p99_s * 1000.0
 
     def _best(self, oracle, seg: Segments, s: int, n: int, amax_cap: int):
-        """(feasible?, A_max, predicted throughput) of segment [s, s+n) over every A_max."""
+        """(feasible?, A_max, predicted throughput, None) of segment [s, s+n) over every A_max (the
+        last: the GPU's flags, none made here; :meth:`_verified` gives the flags the twin verified)."""
         hi = min(n, amax_cap)
         lo = min(TESTING_POINTS[0], hi)
         if hi < 1:
-            return False, 0, 0.0
+            return False, 0, 0.0, None
         a = np.arange(lo, hi + 1)
         nn = np.full(a.shape, n)
         P = MIN_ADAPTERS_PER_GPU
@@ -359,12 +361,12 @@ class GreedyPlus(_GreedyBase):
         k = a.size
         ok = feas[:k] & feas[k:]
         if not ok.any():
-            return False, 0, 0.0
+            return False, 0, 0.0, None
         # below saturation every A_max serves the load (equal throughput); the largest of the
         # near-best keeps the most adapters resident, so fewest requests wait for a slot
         best = np.max(np.where(ok, thr[:k], -np.inf))
         j = int(np.flatnonzero(ok & (thr[:k] >= AMAX_TOLERANCE * best))[-1])
-        return True, int(a[j]), float(thr[j])
+        return True, int(a[j]), float(thr[j]), None
 
     def _alone_ok(self, oracle, ranks, rates) -> np.ndarray:
         """Does one GPU serve each adapter (with margin)?  Asked as a GPU of 8 adapters, this one
@@ -419,11 +421,10 @@ class GreedyPlus(_GreedyBase):
         prof = ctx.profile
         e = wl.resolved_engine(prof)
         limit = self.max_adapters if self.verify_s > 0 else min(self.max_adapters, SURROGATE_MAX_ADAPTERS)
-        mem_caps = {int(r): max_loras_that_start(prof, int(r), e.gpu_memory_utilization, e.max_num_batched_tokens,
-                                                 e.max_model_len, e.max_num_seqs, limit) for r in set(ranks.tolist())}
+        mem_caps = {int(r): max_loras_that_start(prof, int(r), e, limit) for r in set(ranks.tolist())}
         s, N = 0, len(order)
         self.twin_calls = 0
-        packed: list[tuple[int, int, int, float | None]] = []
+        packed: list[tuple[int, int, int, float | None, GPUConfig | None]] = []
         bar = tqdm(total=N, desc="placing", unit="adapter", disable=not self.progress, leave=False)
         while s < N:
             mem_cap = mem_caps[int(ranks[s])]
@@ -441,8 +442,8 @@ class GreedyPlus(_GreedyBase):
                 s += 1
                 bar.update(1)
                 continue
-            n, (ok, amax, thr) = found
-            packed.append((s, n, amax, thr))
+            n, (ok, amax, thr, cfg) = found
+            packed.append((s, n, amax, thr, cfg))
             s += n
             bar.update(n)
         bar.close()
@@ -454,9 +455,9 @@ class GreedyPlus(_GreedyBase):
                     packed = parts
                     break
         verified = self.verify_load if self.verify_s > 0 else None
-        margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _ in packed])
-        for (s, n, amax, thr), margin in zip(packed, margins):
-            out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin, verified))
+        margins = starvation_margins(oracle, seg, [(s, n, amax) for s, n, amax, _, _ in packed])
+        for (s, n, amax, thr, cfg), margin in zip(packed, margins):
+            out.append(GPUAssignment([(int(i), 1.0) for i in order[s:s + n]], amax, thr, margin, verified, cfg))
         if self.verify_s > 0:
             what = (f"the observed {ctx.history_s:g} s of traffic" if ctx.history is not None
                     else f"{self.verify_s:g} s of Poisson traffic")
@@ -467,18 +468,29 @@ class GreedyPlus(_GreedyBase):
         return Assignment(out, sorted(unplaceable), notes)
 
     def _verified(self, wl, ctx, oracle, seg, order, s: int, n: int, mem_cap: int):
-        """(ok, A_max, predicted throughput or None) for adapters s..s+n-1 of the order on one GPU,
-        the twin deciding: the surrogate's A_max if the surrogate accepts it and the twin agrees;
-        else every adapter resident, as far as memory allows (no waits for a slot)."""
+        """(ok, A_max, predicted throughput or None, the GPU's flags the twin verified) for adapters
+        s..s+n-1 of the order on one GPU, the twin deciding: the surrogate's A_max if the surrogate
+        accepts it and the twin agrees; else every adapter resident, as far as memory allows (no
+        waits for a slot)."""
         if mem_cap <= 0:
-            return False, 0, 0.0
+            return False, 0, 0.0, None
+        idx = order[s:s + n]
         r = self._best(oracle, seg, s, n, min(mem_cap, SURROGATE_MAX_ADAPTERS))
-        if r[0] and self._twin_ok(wl, ctx, order[s:s + n], r[1]):
-            return r
+        if r[0]:
+            cfg = self._config(wl, ctx, idx, r[1])
+            if self._twin_ok(wl, ctx, idx, r[1], cfg):
+                return True, r[1], r[2], cfg
         alt = min(n, mem_cap)
-        if (not r[0] or alt != r[1]) and self._twin_ok(wl, ctx, order[s:s + n], alt):
-            return True, alt, None
-        return False, 0, 0.0
+        if not r[0] or alt != r[1]:
+            cfg = self._config(wl, ctx, idx, alt)
+            if self._twin_ok(wl, ctx, idx, alt, cfg):
+                return True, alt, None, cfg
+        return False, 0, 0.0, None
+
+    @staticmethod
+    def _config(wl: Workload, ctx: PlacementContext, idx, amax: int) -> GPUConfig:
+        """The flags of one GPU serving the adapters ``idx`` at A_max ``amax`` (``gpu_config``)."""
+        return gpu_config(wl, ctx.profile, [wl.adapters[i].rank for i in idx], len(idx), amax)
 
     def gpu_verdict(self, wl: Workload, ctx: PlacementContext, idx, cfg=None) -> bool:
         """Does one GPU serve the adapters ``idx`` (workload indices, in the GPU's own order)?  The
@@ -512,8 +524,7 @@ class GreedyPlus(_GreedyBase):
         order = np.asarray(idx)[priority_order(ranks, np.array([wl.adapters[i].rate for i in idx], float))]
         seg = Segments([wl.adapters[i].rank for i in order], [wl.adapters[i].rate for i in order])
         oracle, e = ctx.oracle(self.oracle_kind), wl.resolved_engine(ctx.profile)
-        mem_cap = max_loras_that_start(ctx.profile, int(ranks.max()), e.gpu_memory_utilization,
-                                       e.max_num_batched_tokens, e.max_model_len, e.max_num_seqs, self.max_adapters)
+        mem_cap = max_loras_that_start(ctx.profile, int(ranks.max()), e, self.max_adapters)
         if self.verify_s > 0:
             r = self._verified(wl, ctx, oracle, seg, order, 0, len(idx), mem_cap)
         else:
@@ -544,7 +555,7 @@ class GreedyPlus(_GreedyBase):
                 r = self._best(oracle, seg, a, n, min(mem_cap, SURROGATE_MAX_ADAPTERS))
             if not r[0]:
                 return None
-            parts.append((a, n, r[1], r[2]))
+            parts.append((a, n, r[1], r[2], r[3]))
         notes.append(f"balanced: the order re-cut into {K} parts of equal load and adapter count")
         return parts
 

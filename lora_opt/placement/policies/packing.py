@@ -6,9 +6,11 @@ GPU, so every greedy placement is a point of the search's space (the search star
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from twin.flags import max_lora_rank_for
+from twin.flags import EngineFlags, max_lora_rank_for
 from twin.profile import Profile
 
 
@@ -33,16 +35,21 @@ def priority_order(ranks, rates) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-def max_loras_that_start(profile: Profile, rank: int, util: float, mnbt: int, mml: int, mns: int,
-                         limit: int) -> int:
-    """Largest A_max <= ``limit`` whose instance starts, by the profile's memory model (0 if none)."""
-    lr = max_lora_rank_for([rank])
+def max_loras_that_start(profile: Profile, rank: int, flags: EngineFlags, limit: int) -> int:
+    """Largest A_max <= ``limit`` whose instance starts, by the profile's memory model (0 if none):
+    ``flags`` are the instance's others, resolved (a workload's shared ones: ``Workload.resolved_engine``),
+    its ``--max-lora-rank`` the smallest that holds ``rank``."""
+    flags = dataclasses.replace(flags, max_lora_rank=max_lora_rank_for([rank]))
+
+    def starts(max_loras: int) -> bool:
+        return profile.startup_check(dataclasses.replace(flags, max_loras=max_loras))[0]
+
     lo, hi = 0, limit                         # invariant: lo starts (or 0), hi+1.. unknown
-    if profile.startup_check(hi, lr, util, mnbt, mml, mns)[0]:
+    if starts(hi):
         return hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if profile.startup_check(mid, lr, util, mnbt, mml, mns)[0]:
+        if starts(mid):
             lo = mid
         else:
             hi = mid

@@ -1,7 +1,7 @@
 """The transition of a replan: the ordered steps (vLLM runtime LoRA calls, router switches, launches,
 drains, stops) from the running instances to a candidate, every intermediate state judged.
 
-The order and the state rule are described in ``lora_opt.placement.replan``; this module builds
+The order and the state rule are described in ``lora_opt.replan.replan``; this module builds
 ``plan.json``'s ``steps``, ``states`` and ``instances``.  The instance objects (``replan.Instance``)
 and the judge (``replan.GPUJudge``) come from there; nothing here decides a placement.
 """

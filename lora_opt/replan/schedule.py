@@ -1,5 +1,5 @@
 """A GPU-count schedule over a horizon: one placement per step, each replanned from the previous
-one (``lora_opt.placement.replan``), and what that saves.
+one (``lora_opt.replan.replan``), and what that saves.
 
 Per step: the GPUs, the moves and restarts from the previous step, the transition's verdict, and,
 for comparison, the policy's placement of the step from scratch -- its GPU count and the moves a
@@ -20,7 +20,7 @@ from typing import Callable
 from lora_opt.io import atomic_write_figure
 from lora_opt.placement.evaluate import evaluate_placement
 from lora_opt.placement.plan import Placement
-from lora_opt.placement.replan import (ReplanCosts, current_state, from_scratch, instance_names, replan,
+from lora_opt.replan.replan import (ReplanCosts, current_state, from_scratch, instance_names, replan,
                                        scratch_placement)
 from lora_opt.placement.workload_file import Workload
 

@@ -62,7 +62,7 @@ from lora_opt.placement.plan import GPUConfig, Placement
 from lora_opt.placement.policies.base import gpu_config
 from lora_opt.placement.policies.greedy import GreedyPlus
 from lora_opt.placement.policies.packing import priority_order
-from lora_opt.placement.replan_steps import placement_order, transition_plan
+from lora_opt.replan.replan_steps import placement_order, transition_plan
 from lora_opt.placement.workload_file import Workload
 from twin.parsing import check_finite
 
