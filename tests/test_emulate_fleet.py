@@ -123,61 +123,94 @@ def test_cli_refuses_a_policy_without_a_router_and_instances_with_a_placement(tm
     assert r.returncode == 2 and "--instances: a placement's fleet has one instance per GPU" in r.stderr
 
 
-def test_the_router_never_sends_on_a_connection_its_instance_may_be_closing():
+def test_neither_the_router_nor_its_clients_send_on_a_connection_being_closed():
     """Issue 38's two failed requests (``errors == 1`` in the least-requests and lora-affinity on-demand
-    consistency runs): the router's connection pool kept an idle connection 5 s (httpx's default), exactly the
-    instance's keep-alive (uvicorn's default, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request sent on a
-    connection idle for ~5 s reached an instance closing it in the same loop turn -- ``ReadError``, the
-    router's 502 (a request that reached an instance is never retried).  Now the pool lets a connection go
-    after KEEPALIVE_EXPIRY_S, well before the instance's keep-alive: a connection idle for a moment is
-    reused, one idle for nearly the instance's keep-alive is not (a new one is opened).  The instance here
-    is the fleet's own server (``fleet._server``: its keep-alive) in front of an app that notes the
-    client port of each request, i.e. which of the router's connections carried it."""
+    consistency runs, on the code of 2026-12-03 before ee86568): the router's connection pool kept an idle
+    connection 5 s (httpx's default), exactly the instance's keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE):
+    a request sent on a connection idle for ~5 s reached an instance closing it in the same loop turn --
+    ``ReadError: connection lost``, the router's 502 (a request that reached an instance is never retried).
+    The pool lets a connection go after KEEPALIVE_EXPIRY_S, well before the instance's keep-alive: one idle
+    for a moment is reused, one idle for nearly the keep-alive is not.  The same race one hop earlier: the
+    router keeps a client's idle connection ROUTER_KEEPALIVE_S, longer than clients' pools keep theirs (5 s),
+    so a connection idle past 5 s still carries a request.  The servers are the fleet's own (their
+    keep-alives); the instance's app notes which of the router's connections (client port) carried each
+    request."""
+    import json
+    import re
+    import time
+
     import httpx
 
-    from lora_opt.emulate.fleet import _server
-    from lora_opt.emulate.router import KEEPALIVE_EXPIRY_S, RouteTable, build_router_app
-    ports = []
+    from lora_opt.emulate.fleet import INSTANCE_KEEPALIVE_S, _server, front_server
+    from lora_opt.emulate.router import KEEPALIVE_EXPIRY_S, RouteTable
+    from lora_opt.replan.router_config import HealthChecks
+    port_of = {}
 
     async def instance(scope, receive, send):
         if scope["type"] != "http":
             return
-        while (await receive()).get("more_body"):
-            pass
-        ports.append(scope["client"][1])
-        body = b'{"object": "text_completion", "choices": []}'
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        port_of[json.loads(body)["prompt"]] = scope["client"][1]
+        out = b'{"object": "text_completion", "choices": []}'
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    async def raw_post(reader, writer, prompt: str) -> int:
+        """A request on one kept-alive client connection to the router; 0: the router had closed it."""
+        body = json.dumps({"model": "a", "prompt": prompt}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(re.search(rb"content-length: (\d+)", head, re.I).group(1)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return 0
+        return int(head.split()[1])
 
     async def run():
         base = free_ports(2)
         inst = _server(instance, "127.0.0.1", base, "warning")
-        keep_alive = inst.config.timeout_keep_alive
-        table = RouteTable({"a": [{"endpoint": f"http://127.0.0.1:{base}/v1", "weight": 1.0}]})
-        front = _server(build_router_app(table), "127.0.0.1", base + 1, "warning")
+        table = RouteTable({"a": [{"endpoint": f"http://127.0.0.1:{base}/v1", "weight": 1.0}]},
+                           health=HealthChecks(interval_s=0))        # no /health checks on the pool
+        front = front_server(table, "127.0.0.1", base + 1)
         tasks = [asyncio.ensure_future(s.serve()) for s in (inst, front)]
         while not (inst.started and front.started):
             assert not any(t.done() for t in tasks), "a server did not start"
             await asyncio.sleep(0.01)
         statuses = []
         try:
-            async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
-                for idle in (0.0, 0.3, keep_alive - 0.25):
+            reader, writer = await asyncio.open_connection("127.0.0.1", base + 1)
+            statuses.append(await raw_post(reader, writer, "client-1"))
+            t_client = time.perf_counter()
+            async with httpx.AsyncClient(trust_env=False, timeout=30,
+                                         limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                for prompt, idle in (("a", 0.0), ("b", 0.3), ("c", INSTANCE_KEEPALIVE_S - 0.25)):
                     await asyncio.sleep(idle)
-                    r = await c.post(f"http://127.0.0.1:{base + 1}/v1/completions", json={"model": "a", "prompt": "x"})
+                    r = await c.post(f"http://127.0.0.1:{base + 1}/v1/completions", json={"model": "a", "prompt": prompt})
                     statuses.append(r.status_code)
+            await asyncio.sleep(max(0.0, t_client + INSTANCE_KEEPALIVE_S + 0.5 - time.perf_counter()))
+            statuses.append(await raw_post(reader, writer, "client-2"))
+            writer.close()
         finally:
             for s in (inst, front):
                 s.should_exit = True
             await asyncio.gather(*tasks)
-        return keep_alive, statuses
+        return statuses
 
-    keep_alive, statuses = asyncio.run(run())
-    assert KEEPALIVE_EXPIRY_S < keep_alive - 0.25 and statuses == [200, 200, 200]
-    assert ports[0] == ports[1], "a connection idle for 0.3 s is reused (the pool works)"
-    assert ports[2] != ports[1], (f"a connection idle for {keep_alive - 0.25:g} s of the instance's {keep_alive:g}-s "
-                                  "keep-alive was sent a request: the instance may close it at that moment")
+    statuses = asyncio.run(run())
+    assert KEEPALIVE_EXPIRY_S < INSTANCE_KEEPALIVE_S - 0.25
+    assert statuses[1:4] == [200, 200, 200] and statuses[0] == 200
+    assert port_of["a"] == port_of["b"], "a connection idle for 0.3 s is reused (the pool works)"
+    assert port_of["c"] != port_of["b"], (f"a connection idle {INSTANCE_KEEPALIVE_S - 0.25:g} s of the instance's "
+                                          f"{INSTANCE_KEEPALIVE_S:g}-s keep-alive carried a request: it may be closing")
+    assert statuses[4] == 200, (f"the router closed a client's connection idle {INSTANCE_KEEPALIVE_S + 0.5:g} s: "
+                                "a pooled client (5 s) would have sent on it as it closed")
 
 
 def test_on_demand_placement_instances_serve_every_adapter_and_preload_their_own(tmp_path):

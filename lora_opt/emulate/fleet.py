@@ -29,6 +29,13 @@ from twin.scenario import EngineConfig, Scenario, build_scenario, load_scenario,
 RUNTIME_LORA_SLOTS = 32
 #: lengths the emulator draws EOS stops from when only flags are given
 DEFAULT_LENGTHS = "sharegpt"
+#: seconds an instance keeps an idle client connection open: vLLM's own (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); the
+#: router's pool lets its connections go well before (lora_opt.emulate.router.KEEPALIVE_EXPIRY_S), so it never
+#: sends a request on a connection an instance is closing at that moment (issue 38: that race was a 502)
+INSTANCE_KEEPALIVE_S = 5
+#: seconds the router keeps an idle client connection open: a gateway's (nginx's default; Envoy keeps one an
+#: hour), longer than clients' pools keep theirs (httpx's 5 s, the OpenAI client's), for the same reason
+ROUTER_KEEPALIVE_S = 75
 
 
 def free_ports(k: int = 1, host: str = "127.0.0.1") -> int:
@@ -265,16 +272,22 @@ def with_lengths(spec: InstanceSpec, lengths: str) -> InstanceSpec:
 
 
 # ---- serving ---------------------------------------------------------------------------------
-def _server(app, host: str, port: int, log_level: str, lifespan: str = "off"):
+def _server(app, host: str, port: int, log_level: str, lifespan: str = "off",
+            keep_alive_s: float = INSTANCE_KEEPALIVE_S):
     # uvicorn only where an emulator runs
     import uvicorn
 
-    # timeout_keep_alive: vLLM's own (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) -- the router's pool expires first
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            lifespan=lifespan, timeout_graceful_shutdown=2, timeout_keep_alive=5)
+                            lifespan=lifespan, timeout_graceful_shutdown=2, timeout_keep_alive=keep_alive_s)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None       # the fleet owns the signals
     return server
+
+
+def front_server(table: RouteTable, host: str, port: int, log_level: str = "warning"):
+    """The router's uvicorn server: its app (:func:`build_router_app`), its health checks (the app's
+    lifespan) and a gateway's keep-alive (:data:`ROUTER_KEEPALIVE_S`)."""
+    return _server(build_router_app(table), host, port, log_level, lifespan="on", keep_alive_s=ROUTER_KEEPALIVE_S)
 
 
 async def _serve_one(server) -> bool:
@@ -326,7 +339,7 @@ async def serve(instances: list[tuple[InstanceSpec, Instance]], *, log_level: st
     fronts, scraping = [], None
     if router is not None:
         host, port, table = router
-        servers.append(_server(build_router_app(table), host, port, log_level, lifespan="on"))   # its health checks
+        servers.append(front_server(table, host, port, log_level))
         fronts.append(InstanceSpec(scenario=None, port=port, host=host, name="router"))
         if table.policy.reads_state == "metrics":
             table.scrape()              # compiles the kernel's scrape before the first request needs it
