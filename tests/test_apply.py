@@ -479,7 +479,9 @@ def test_apply_killed_mid_plan_is_finished_by_the_next_apply_without_repeating_a
     server_cmd = shlex.join([sys.executable, "-m", "lora_opt.cli", "emulate", "--profile", PROFILE, "--speed", str(SPEED)])
     common = ["--router", f"http://127.0.0.1:{router}", "--server-cmd", server_cmd, "--adapter-dir", str(d / "adapters"),
               "--no-track"]
-    proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "apply", str(d / "plan"), *common,
+    # --keep-launched: a kill -9 that lands after the last step, while apply stops what it launched, would
+    # otherwise leave a stopped instance the next apply must launch again (2 of 8 runs flaked on that)
+    proc = subprocess.Popen([sys.executable, "-m", "lora_opt.cli", "apply", str(d / "plan"), *common, "--keep-launched",
                              "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
