@@ -158,6 +158,15 @@ def test_fit_and_scores_are_cross_fitted_on_synthetic_runs():
     assert set(summary["rule"]) == {"point (twin at 1x)", "fixed 1.1x", "C=0.5"}
 
 
+def test_runs_without_a_second_served_adapter_count_have_no_max_pack_trade_off():
+    # one served-adapter count per workload (e.g. error-model --family loaded_adapters_without_offloading_rate_0.025):
+    # no Max_pack to pick, so empty tables -- once a KeyError on the empty picks
+    df = _synthetic_runs()
+    one = df[df["n_served_adapters"] == df.groupby("workload")["n_served_adapters"].transform("min")]
+    picks, summary = tradeoff_table(one, (0.5,))
+    assert picks.empty and summary.empty and "rule" in summary.columns
+
+
 def test_greedy_plus_verifies_at_the_load_the_confidence_derives():
     wl = load_workload("example")
     ctx = PlacementContext.for_workload(wl)

@@ -142,7 +142,8 @@ def test_neither_the_router_nor_its_clients_send_on_a_connection_being_closed():
     import httpx
 
     from lora_opt.emulate.fleet import INSTANCE_KEEPALIVE_S, _server, front_server
-    from lora_opt.emulate.router import KEEPALIVE_EXPIRY_S, RouteTable
+    from lora_opt.emulate.router import RouteTable
+    from lora_opt.http_pool import KEEPALIVE_EXPIRY_S
     from lora_opt.replan.router_config import HealthChecks
     port_of = {}
 
@@ -254,6 +255,34 @@ def test_a_malformed_router_table_or_lora_module_is_bad_input_naming_it(tmp_path
         parse_lora_modules(['{"name": "a", "name": "b", "path": "/x"}'], 8)
     assert parse_lora_modules(['{"name": "a", "path": "/nowhere"}'], 8) == [{"id": "a", "rank": 8, "rate": 1.0}]
 
+
+def test_the_library_call_serves_what_the_options_ask_without_the_cli():
+    """``lora_opt.emulate.launch.emulate`` is the command without its parsing: the instances its options ask for,
+    their start-up lines to ``ready`` once they listen, served until every instance was shut down."""
+    import threading
+
+    import httpx
+
+    from lora_opt.emulate.launch import EmulateOptions, emulate, instance_specs
+    from twin.flags import EngineFlags
+    port = free_ports(2)
+    options = EmulateOptions(profile="llama-3.1-8b-h100-64gb", lora_modules=("a=/nowhere/a", "b=/nowhere/b"),
+                             engine=EngineFlags(max_loras=2), port=port, instances=2, adapters="on-demand", speed=10)
+    specs = instance_specs(options)
+    assert [(s.name, s.port, s.preloaded) for s in specs] == [("instance 0", port, ()), ("instance 1", port + 1, ())]
+    lines, listening = [], threading.Event()
+    server = threading.Thread(target=emulate, args=(options,),
+                              kwargs={"ready": lambda ls: (lines.extend(ls), listening.set())}, daemon=True)
+    server.start()
+    assert listening.wait(60)
+    assert lines == [f"instance {i}: meta-llama/Llama-3.1-8B-Instruct + 2 adapters on http://127.0.0.1:{port + i}/v1 "
+                     "(speed 10, imitating vLLM 0.8.5)" for i in range(2)]
+    with httpx.Client(timeout=30, trust_env=False) as c:
+        assert [m["id"] for m in c.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]][1:] == ["a", "b"]
+        for i in range(2):
+            c.post(f"http://127.0.0.1:{port + i}/emulator/shutdown")
+    server.join(30)
+    assert not server.is_alive()
 
 def _residency(state):
     from numba import njit

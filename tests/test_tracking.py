@@ -12,6 +12,7 @@ import mlflow
 import pytest
 
 from lora_opt import tracking
+from lora_opt.calibration.profile_fit import calibrate_runs
 from lora_opt.cli import main
 from lora_opt.tracking import log_flat_metrics, tracked_run
 from twin.profile import load_profile
@@ -99,6 +100,18 @@ def _runs(uri: str, experiment: str):
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     return client.search_runs([exp.experiment_id]) if exp else []
+
+
+def test_library_calls_log_no_run_unless_asked(tmp_path):
+    """A command's library function (here ``lora-opt calibrate``'s) logs the command's run only when asked
+    (``track=True``, as the CLI asks unless --no-track): a library caller logs none by default."""
+    uri = os.environ["MLFLOW_TRACKING_URI"]          # the test's own store (conftest): where a default run would go
+    prof, probe_rows = calibrate_runs(RUNS_CSV, "llama-2-7b", tmp_path / "p.yaml")
+    assert not probe_rows and prof["fit"]["estimators"] and _runs(uri, "calibrate") == []
+    calibrate_runs(RUNS_CSV, "llama-2-7b", tmp_path / "p.yaml", tracking_uri=uri, track=True)
+    (run,) = _runs(uri, "calibrate")
+    assert run.data.params == {"runs": RUNS_CSV, "model": "llama-2-7b", "out": str(tmp_path / "p.yaml"),
+                               "probe_rows": "False"}
 
 
 def test_commands_are_runs_with_provenance(tmp_path, capsys):

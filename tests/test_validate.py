@@ -299,11 +299,11 @@ def _history_log(path, n=80, span=12.0, seed=5):
 
 def test_history_requests_cut_at_the_duration(placement_dir, tmp_path):
     """--history: the log's requests, in the workload's adapter order, those before --duration."""
-    from lora_opt.cli.validate import _log_requests
+    from lora_opt.validate.run import log_requests
     from lora_opt.placement.workload_file import load_workload
     t = _history_log(tmp_path / "log.csv")
     wl = load_workload(placement_dir / "workload.yaml")
-    req, span = _log_requests(wl, str(tmp_path / "log.csv"), 6.0)
+    req, span = log_requests(wl, str(tmp_path / "log.csv"), 6.0)
     assert len(req) == int((t - t.min() < 6.0).sum()) and req.arrival.max() < 6.0
     assert span == pytest.approx(t.max() - t.min(), abs=1e-3)
 

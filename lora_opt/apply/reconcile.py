@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from lora_opt.apply.executor import ApplyOptions, PlanExecutor, route_shares
 from lora_opt.errors import InputError
+from lora_opt.http_pool import instance_limits
 from lora_opt.placement.plan import Placement
 from lora_opt.replan.replan_steps import load_request, unload_request
 from lora_opt.placement.vllm_launch import instance_urls, router_table
@@ -159,7 +160,7 @@ async def reconcile(p: Placement, *, opts: ApplyOptions, host: str, base_port: i
 
     router = opts.router
     urls = set(desired(p, host=host, base_port=base_port)) | {u.rstrip("/") for u in known}
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
         obs = await observe(client, urls, router)
         before = differences(p, obs, host=host, base_port=base_port, router=router)
         if not before:

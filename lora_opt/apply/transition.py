@@ -21,6 +21,7 @@ import numpy as np
 from lora_opt.apply.executor import SUCCESS, PlanExecutor
 from lora_opt.emulate.client import replay_routed, server_prompt_tokens
 from lora_opt.errors import InputError
+from lora_opt.http_pool import instance_limits
 from lora_opt.placement.evaluate import workload_requests
 from lora_opt.validate.measure import request_rows
 from twin.workload import Requests
@@ -110,7 +111,7 @@ async def measure(ex: PlanExecutor, wl, router_url: str, traffic: TrafficOptions
     req = _cut(req, T)
     models = [a.id for a in wl.adapters]
     target = np.zeros(len(req), np.int64)
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
         await ex.preflight(client)
         running = ex.running_urls()
         prompts = await server_prompt_tokens(running[0]) if running else None

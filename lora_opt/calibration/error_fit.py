@@ -27,7 +27,7 @@ from lora_opt.calibration.replay import select_runs
 from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.parallel import run_scenarios
-from lora_opt.tracking import profile_info
+from lora_opt.tracking import log_command_run, profile_info
 from twin.errors import ScenarioError
 
 #: the confidences the report tabulates
@@ -200,8 +200,12 @@ def tradeoff_table(df, confidences=CONFIDENCES, rho: float = RHO):
             row["regret_pct"] = (100.0 * (1.0 - p["real_throughput"] / real["real_throughput"])
                                  if p is not None and real is not None and not row["starves"] else np.nan)
             picks.append(row)
-    picks = pd.DataFrame(picks)
     summary = []
+    if not picks:        # no workload tested at two or more served-adapter counts: no Max_pack to pick
+        return (pd.DataFrame(columns=["rule", "workload", "model", "real_max_pack", "pick", "starves", "regret_pct"]),
+                pd.DataFrame(columns=["rule", "workloads", "with_real_max_pack", "starving_picks", "no_pick",
+                                      "mean_regret_pct", "worst_regret_pct"]))
+    picks = pd.DataFrame(picks)
     for rule, g in picks.groupby("rule", sort=False):
         has_real = g["real_max_pack"].notna()
         summary.append({"rule": rule, "workloads": int(len(g)), "with_real_max_pack": int(has_real.sum()),
@@ -265,7 +269,7 @@ def _plots(coverage, summary, out: Path) -> list[str]:
     b2 = b.twinx()
     b2.bar(cs, s["starving_picks"], width=0.012, color="C3", alpha=0.5)
     b2.set_ylabel("starving picks (bars, count)", color="C3")
-    b2.set_ylim(0, max(3, int(s["starving_picks"].max()) + 1))
+    b2.set_ylim(0, max(3, int(s["starving_picks"].max()) + 1 if len(s) else 0))   # no workload: no picks
     fig.suptitle("Twin capacity error on held-apart H100 runs: coverage and the Max_pack trade-off", fontsize=9)
     fig.tight_layout()
     atomic_write_figure(out / "confidence.png", fig, dpi=80)
@@ -323,9 +327,12 @@ def write_report(df, models, coverage, picks, summary, regimes, out: Path, meta:
 
 def run_error_model(runs_csv: str | Path = realruns.REAL_RUNS_CSV, out_dir: str | Path = "outputs/error_model",
                     models_dir: str | Path | None = None, family: str | None = None, workers: int | None = None,
-                    ray_address: str | None = None, command: str = "lora-opt error-model") -> dict:
+                    ray_address: str | None = None, command: str = "lora-opt error-model", *,
+                    tracking_uri: str | None = None, track: bool = False) -> dict:
     """Replay, fit, score; write runs.csv, coverage.csv, tradeoff.csv, picks.csv, report.md, the plot and
-    one error model YAML per profile into ``models_dir`` (default OUT/models).  Returns the summary."""
+    one error model YAML per profile into ``models_dir`` (default OUT/models); when ``track``, the command's
+    MLflow run (experiment ``error_model``: coverage and trade-off numbers) in ``tracking_uri``.  Returns the
+    summary."""
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -356,4 +363,10 @@ def run_error_model(runs_csv: str | Path = realruns.REAL_RUNS_CSV, out_dir: str 
     result = {**meta, "plots": plots, "tradeoff": summary.to_dict("records"),
               "coverage": coverage[coverage["model"] == "all"].to_dict("records")}
     atomic_write_json(out / "summary.json", result, indent=1, default=float)
+    metrics = {"coverage": {f"{r['scored_on']}_C{r['confidence']:g}": r["coverage"] for r in result["coverage"]},
+               "tradeoff": {r["rule"]: {k: r[k] for k in ("starving_picks", "no_pick", "mean_regret_pct",
+                                                          "worst_regret_pct")} for r in result["tradeoff"]}}
+    log_command_run("error_model", family or "all", params={"runs": runs_csv, "family": family, "command": command},
+                    metrics=metrics, artifacts=[out_dir], seeds=realruns.RUN_SEEDS, wall_s=result["wall_s"],
+                    tracking_uri=tracking_uri, track=track)
     return result

@@ -28,6 +28,7 @@ from lora_opt.calibration.residuals import (markdown_table, max_pack_regret, reg
 from lora_opt.calibration.runs_csv import load_runs
 from lora_opt.io import atomic_write_csv, atomic_write_figure, atomic_write_json, atomic_write_text
 from lora_opt.smape import smape
+from lora_opt.tracking import log_command_run
 from twin.errors import ScenarioError
 from twin.parsing import read_config_file, read_json_file
 
@@ -377,7 +378,12 @@ def before_after_lines(summary: dict) -> list[str]:
 def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | None = None,
                  out_dir: str | Path = "outputs/fidelity", workers: int | None = None,
                  ray_address: str | None = None, variants: tuple[str, ...] = ("sharegpt", "mean"),
-                 command: str = "lora-opt fidelity", before: str | Path | None = None) -> dict:
+                 command: str = "lora-opt fidelity", before: str | Path | None = None, *,
+                 tracking_uri: str | None = None, track: bool = False) -> dict:
+    """``lora-opt fidelity``: ``runs_csv``'s runs (of ``family``) replayed on the twin for each of ``variants``
+    and compared with the real runs and the published twin; runs.csv, max_pack.csv, the plots, summary.json and
+    report.md written into ``out_dir``; when ``track``, the command's MLflow run (experiment ``fidelity``) in
+    ``tracking_uri``.  Returns the summary."""
     import pandas as pd  # heavy optional dependency: only when tables are built
 
     before_summary = read_before(before) if before is not None else None
@@ -416,4 +422,8 @@ def run_fidelity(runs_csv: str | Path = realruns.REAL_RUNS_CSV, family: str | No
         summary["before"] = before_summary
     atomic_write_json(out / "summary.json", summary, indent=2, default=float)
     write_report(summary, df, maxpack, out, plots)
+    log_command_run("fidelity", family or "all", params={"runs": runs_csv, "family": family, "command": command,
+                    "runs_per_model": summary["runs_per_model"]},
+                    metrics={k: summary[k] for k in ("smape", "max_pack")}, artifacts=[out_dir],
+                    seeds=realruns.RUN_SEEDS, wall_s=summary["wall_s"], tracking_uri=tracking_uri, track=track)
     return summary

@@ -4,6 +4,8 @@
 (``data/real_runs/real_runs_vllm_lora.csv``), fits every estimator of a profile from the model's
 own *estimator* families, writes the profile YAML (with a ``fit`` provenance section) and, when
 asked, a fit report (markdown + PNG plots, :mod:`lora_opt.calibration.report`).
+``calibrate_runs`` is ``lora-opt calibrate`` as one call: ``calibrate``, or ``probe_fit.calibrate_probe``
+for a table of ``lora-opt probe`` rows, and the command's MLflow run.
 
 Honesty rules
 -------------
@@ -39,10 +41,12 @@ from lora_opt.calibration.generations import GENERATIONS, fit_estimators
 from lora_opt.calibration.memory_check import check_summary, memory_check
 from lora_opt.calibration.memory_fit import weights_gib
 from lora_opt.calibration.model_table import MODELS, ModelEntry, model_entry
+from lora_opt.calibration.probe_fit import calibrate_probe, is_probe_table
 from lora_opt.calibration.profile_io import write_profile
 from lora_opt.calibration.runs_csv import (BLOCK_SIZE, DEFAULT_UTIL, ESTIMATOR_PREFIXES, VALIDATION_PREFIXES,
                                            load_runs)
 from lora_opt.calibration.step_fit import expected_distinct_adapters
+from lora_opt.tracking import log_command_run
 from twin.errors import ScenarioError
 from twin.parsing import read_config_file
 from twin.paths import bundle_relative
@@ -152,6 +156,21 @@ def calibrate(runs_csv: str | Path, model: str, out: str | Path,
     return prof
 
 
+def calibrate_runs(runs_csv: str | Path, model: str, out: str | Path, report_dir: str | Path | None = None, *,
+                   tracking_uri: str | None = None, track: bool = False) -> tuple[dict[str, Any], bool]:
+    """``lora-opt calibrate``: (the profile as a dict, whether ``runs_csv`` held ``lora-opt probe`` rows) --
+    fitted by ``probe_fit.calibrate_probe`` (``model`` the base profile; no report) when it did, else by
+    ``calibrate`` --, and, when ``track``, the command's MLflow run (experiment ``calibrate``: the estimators'
+    fit numbers, the profile and report as artifacts) in ``tracking_uri``."""
+    probe_rows = is_probe_table(runs_csv)
+    prof = (calibrate_probe(runs_csv, model, out) if probe_rows
+            else calibrate(runs_csv, model, out, report_dir=report_dir))
+    log_command_run("calibrate", model, params={"runs": runs_csv, "model": model, "out": out, "probe_rows": probe_rows},
+                    metrics=prof["fit"]["estimators"], artifacts=[out, report_dir], profile=out,
+                    seeds="none: deterministic fits", tracking_uri=tracking_uri, track=track)
+    return prof, probe_rows
+
+
 def _carry_e2e(prof: dict[str, Any], out: Path) -> dict[str, Any]:
     """Keep the end-to-end constants (``lora-opt calibrate-e2e``, fitted on half of the
     end-to-end runs) of the profile being overwritten: they are not estimator fits."""
@@ -169,5 +188,6 @@ def _carry_e2e(prof: dict[str, Any], out: Path) -> dict[str, Any]:
     return prof
 
 
-__all__ = ["calibrate", "memory_check", "load_runs", "MODELS", "ESTIMATOR_PREFIXES", "VALIDATION_PREFIXES",
-           "E2E_LATENCY_KEYS", "E2E_LORA_KEYS", "expected_distinct_adapters", "weights_gib", "sha256_of"]
+__all__ = ["calibrate", "calibrate_runs", "memory_check", "load_runs", "MODELS", "ESTIMATOR_PREFIXES",
+           "VALIDATION_PREFIXES", "E2E_LATENCY_KEYS", "E2E_LORA_KEYS", "expected_distinct_adapters", "weights_gib",
+           "sha256_of"]

@@ -38,6 +38,10 @@ def _num(row, col, default=None):
     return v
 
 
+#: the seeds of a replay of real runs, as its MLflow run records them (``lora-opt fidelity``, ``error-model``)
+RUN_SEEDS = "per run: sha256 of its source directory (realruns.run_seed)"
+
+
 def run_seed(row) -> int:
     """A stable seed per run (from its directory), so every report draws the same requests."""
     return int(hashlib.sha256(str(row["source_dir"]).encode()).hexdigest()[:8], 16)

@@ -96,20 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
 def dry_run(args: argparse.Namespace) -> int:
     """``apply --dry-run``: the difference between the fleet as it is and the plan's end, nothing acted on."""
-    import asyncio
+    from lora_opt.apply.run import fleet_diff
 
-    import httpx
-
-    from lora_opt.apply.executor import ApplyOptions, PlanExecutor
-    from lora_opt.apply.run import read_plan
-
-    plan, placement, _ = read_plan(args.plan)
-    ex = PlanExecutor(plan, placement, ApplyOptions(router=args.router))
-
-    async def read():
-        async with httpx.AsyncClient(trust_env=False) as client:
-            return await ex.diff(client)
-    rows = asyncio.run(read())
+    rows = fleet_diff(args.plan, args.router)
     if args.json:
         sys.stdout.write(json.dumps({"plan": str(args.plan), "diff": rows}) + "\n")
         return 0

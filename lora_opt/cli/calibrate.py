@@ -19,17 +19,10 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.calibration.probe_fit import calibrate_probe, is_probe_table
-    from lora_opt.calibration.profile_fit import calibrate
-    from lora_opt.tracking import log_command_run
+    from lora_opt.calibration.profile_fit import calibrate_runs
 
-    probe_rows = is_probe_table(args.runs)
-    prof = (calibrate_probe(args.runs, args.model, args.out) if probe_rows
-            else calibrate(args.runs, args.model, args.out, report_dir=args.report))
-    log_command_run("calibrate", args.model, params={"runs": args.runs, "model": args.model, "out": args.out,
-                    "probe_rows": probe_rows}, metrics=prof["fit"]["estimators"], artifacts=[args.out, args.report],
-                    profile=args.out, seeds="none: deterministic fits", tracking_uri=args.tracking_uri,
-                    track=not args.no_track)
+    _, probe_rows = calibrate_runs(args.runs, args.model, args.out, args.report, tracking_uri=args.tracking_uri,
+                                   track=not args.no_track)
     if probe_rows:
         print(f"profile -> {args.out} (fitted on lora-opt probe rows)")
         return 0

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from pathlib import Path
 
 from lora_opt.cli.conventions import SCRAPE_DEFAULT_S, finite_float, int_range, verbosity
 from lora_opt.replan.router_config import HealthChecks
@@ -93,152 +92,28 @@ def register(sub) -> None:
     e.set_defaults(run=run)
 
 
-def _lora_paths(modules: list[str]) -> dict[str, str]:
-    """Adapter id -> path of ``--lora-modules`` (``name=path`` or JSON; the cards' ``root``);
-    malformed entries are reported by ``lora_opt.emulate.fleet.parse_lora_modules``."""
-    from twin.parsing import parse_json_text
-    out = {}
-    for m in modules:
-        if m.lstrip().startswith("{"):
-            try:
-                d = parse_json_text(m, "--lora-modules")
-                out[str(d["name"])] = str(d["path"])
-            except (ValueError, KeyError, TypeError):
-                continue
-        elif "=" in m:
-            name, path = m.split("=", 1)
-            out[name] = path
-    return out
-
-
-def _model_files(args):
-    from lora_opt.emulate.model_files import ModelFiles
-    if not args.model:
-        return None
-    files = ModelFiles.load(args.model)
-    if files.tokenizer is None and (Path(args.model) / "tokenizer.json").is_file():
-        print("emulate: --model: the tokenizers package is not installed (pip install 'lora-opt[tokenizer]'): "
-              "text prompts are counted 4 characters a token, not by the model's tokenizer", file=sys.stderr)
-    return files
-
-
-def _specs(args, files=None):
-    from lora_opt.emulate.fleet import (
-        identical_fleet,
-        spec_from_flags,
-        spec_from_scenario,
-        specs_from_placement,
-        with_lengths,
-    )
-    from lora_opt.errors import InputError
-    host = args.host or "127.0.0.1"
-    if args.placement:
-        if args.instances != 1:
-            raise InputError("--instances: a placement's fleet has one instance per GPU (omit --instances)")
-        specs = specs_from_placement(args.placement, base_port=args.base_port, host=args.host,
-                                     lengths=args.lengths or "sharegpt", adapters=args.adapters)
-    elif args.scenario:
-        specs = [spec_from_scenario(args.scenario, port=args.port, host=host,
-                                    served_model_name=args.served_model_name)]
-        if args.lengths:
-            specs = [with_lengths(s, args.lengths) for s in specs]
-    elif args.profile:
-        engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineFlags)}
-        if engine["max_model_len"] is None and files is not None and files.max_position_embeddings:
-            engine["max_model_len"] = files.max_position_embeddings     # vLLM's default: the model's context
-        specs = [spec_from_flags(args.profile, args.lora_modules, engine, port=args.port, host=host,
-                                 served_model_name=args.served_model_name, lengths=args.lengths or "sharegpt")]
-    else:
-        raise InputError("one of --scenario, --placement or --profile (with --lora-modules) is required")
-    if not args.placement:
-        if args.adapters == "on-demand":        # vLLM's LoRA resolver: nothing loaded until a request names it
-            specs = [dataclasses.replace(s, preloaded=()) for s in specs]
-        specs = identical_fleet(specs[0], args.instances) if args.instances > 1 else specs
-    if args.router != "static" and args.router_port is None:
-        raise InputError(f"--router {args.router}: needs --router-port (the router it configures)")
-    if args.speed <= 0:
-        raise InputError(f"--speed: must be > 0, got {args.speed}")
-    return specs
-
-
-def _health(args) -> HealthChecks:
-    return HealthChecks(args.health_interval_s, args.health_timeout_s, args.health_failures, args.health_successes,
-                        retry_for_s=args.retry_for_s)
-
-
-def _router_alone(args) -> int:
-    """``--routes``: the router's process alone (no instance), serving until SIGINT/SIGTERM."""
-    import asyncio
-
-    from lora_opt.emulate.fleet import serve
-    from lora_opt.emulate.router import RouteTable
-    from lora_opt.errors import InputError
-    from lora_opt.placement.instances import routing_seed
-    from twin.parsing import read_config_file
-    if args.router_port is None:
-        raise InputError("--routes: needs --router-port (where the router listens)")
-    path = Path(args.routes)
-    path = path / "router.json" if path.is_dir() else path
-    table = read_config_file(path, "router table", InputError)
-    if not isinstance(table, dict):
-        raise InputError(f"--routes: {path} is not a router table (adapter id -> [{{endpoint, weight}}])")
-    if args.router == "lora-affinity":
-        raise InputError("--router lora-affinity: reads the instances' metrics, which only a router serving the "
-                         "emulated instances in its own process has (drop --routes)")
-    RouteTable({}, policy="static").reroute(table)         # the checks of POST /router/routes, its messages
-    rt = RouteTable(table, routing_seed(args.seed), policy=args.router, health=_health(args))
-    host = args.host or "127.0.0.1"
-
-    def ready():
-        print(f"router: http://{host}:{args.router_port}/v1 -> {len(rt.endpoints)} instances ({args.router})",
-              flush=True)
-        print("ready", flush=True)
-    asyncio.run(serve([], log_level=args.log_level or "warning", ready=ready, router=(host, args.router_port, rt)))
-    print("emulate: router stopped", file=sys.stderr, flush=True)
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
-    if args.routes:
-        return _router_alone(args)
-    from lora_opt.emulate.fleet import front, make_instance, serve
-    from lora_opt.placement.instances import routing_seed
-    from lora_opt.emulate.vllm_versions import choose
-    files = _model_files(args)
-    specs = _specs(args, files)
-    updating = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
-    instances = [(s, make_instance(s, speed=args.speed, seed=args.seed, runtime_lora_updating=updating))
-                 for s in specs]
-    for _, inst in instances:
-        behaviour = choose(args.vllm_version, inst.engine.profile.vllm_version)
-        inst.configure(behaviour=behaviour, files=files, model_root=args.model,
-                       lora_roots=_lora_paths(args.lora_modules))
-
-    router = None
-    if args.router_port is not None:
-        table = front(specs, [inst for _, inst in instances], args.placement, policy=args.router,
-                      seed=routing_seed(args.seed), scrape_interval_s=args.scrape_interval_s,
-                      health=_health(args))
-        router = (args.host or "127.0.0.1", args.router_port, table)
-
-    def ready():
-        for s, inst in instances:
-            print(f"{s.name}: {inst.model} + {len(inst.adapters)} adapters on http://{s.host}:{s.port}/v1 "
-                  f"(speed {args.speed:g}, imitating vLLM {inst.vllm_version})", flush=True)
-        if router is not None:
-            print(f"router: http://{router[0]}:{router[1]}/v1 -> {len(specs)} instances ({args.router}, "
-                  f"{args.adapters} adapters)", flush=True)
-        print("ready", flush=True)
-
-    try:                                # vLLM's loop (uvloop) and HTTP parser (httptools) when installed
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(instances, log_level=args.log_level or ("info" if verbosity(args) >= 1 else "warning"),
-                         ready=ready, router=router))
-    print("emulate: stopped", file=sys.stderr, flush=True)
+    from lora_opt.emulate.launch import EmulateOptions, emulate
+    options = EmulateOptions(
+        scenario=args.scenario, placement=args.placement, routes=args.routes, profile=args.profile,
+        lora_modules=tuple(args.lora_modules),
+        engine=EngineFlags(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineFlags)}),
+        served_model_name=args.served_model_name, model=args.model, vllm_version=args.vllm_version,
+        host=args.host, port=args.port, base_port=args.base_port, instances=args.instances,
+        router_port=args.router_port, router=args.router, adapters=args.adapters,
+        scrape_interval_s=args.scrape_interval_s,
+        health=HealthChecks(args.health_interval_s, args.health_timeout_s, args.health_failures,
+                            args.health_successes, retry_for_s=args.retry_for_s),
+        speed=args.speed, lengths=args.lengths, seed=args.seed, log_level=args.log_level,
+        verbose=verbosity(args) >= 1,
+        runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
+    emulate(options, ready=_print_ready, warn=lambda message: print(f"emulate: {message}", file=sys.stderr))
+    print("emulate: router stopped" if args.routes else "emulate: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _print_ready(lines: list[str]) -> None:
+    """Every server listens: its line each, then ``ready`` (what scripts and tests wait for)."""
+    for line in lines:
+        print(line, flush=True)
+    print("ready", flush=True)

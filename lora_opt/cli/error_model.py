@@ -23,19 +23,12 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.calibration.error_fit import run_error_model
-    from lora_opt.tracking import log_command_run
 
     cmd = ("lora-opt error-model" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
            + (f" --models-dir {args.models_dir}" if args.models_dir else ""))
     s = run_error_model(args.runs, out_dir=args.out, models_dir=args.models_dir, family=args.family,
-                        workers=args.workers, ray_address=args.ray_address, command=cmd)
-    metrics = {"coverage": {f"{r['scored_on']}_C{r['confidence']:g}": r["coverage"] for r in s["coverage"]},
-               "tradeoff": {r["rule"]: {k: r[k] for k in ("starving_picks", "no_pick", "mean_regret_pct",
-                                                          "worst_regret_pct")} for r in s["tradeoff"]}}
-    log_command_run("error_model", args.family or "all", params={"runs": args.runs, "family": args.family,
-                    "command": cmd}, metrics=metrics, artifacts=[args.out],
-                    seeds="per run: sha256 of its source directory (realruns.run_seed)", wall_s=s["wall_s"],
-                    tracking_uri=args.tracking_uri, track=not args.no_track)
+                        workers=args.workers, ray_address=args.ray_address, command=cmd,
+                        tracking_uri=args.tracking_uri, track=not args.no_track)
     print(f"{s['n_runs']} runs replayed in {s['wall_s']:.0f} s; {s['report_runs_capacity_observed']} held-apart runs "
           f"with the real capacity observed (support C <= {s['max_confidence_pooled']:.3f} pooled)")
     print("coverage on runs the bounds were not fitted on (C: report half / fit half):")
@@ -45,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     for c, v in cov.items():
         print(f"  C={c:<6g} {v.get('report half', float('nan')):.3f} / {v.get('fit half', float('nan')):.3f}")
     print("Max_pack on the report half (cross-fitted): rule, starving picks, no pick, mean / worst regret %")
+    if not s["tradeoff"]:
+        print("  none: no workload of these runs was tested at two or more served-adapter counts")
     for r in s["tradeoff"]:
         print(f"  {r['rule']:<20} {r['starving_picks']:>3} {r['no_pick']:>3}  {r['mean_regret_pct']:6.2f} / "
               f"{r['worst_regret_pct']:6.2f}")

@@ -8,7 +8,6 @@ from pathlib import Path
 from lora_opt.cli.conventions import (CONFIDENCE, NONNEGATIVE_S, POSITIVE_S, SEED, add_fleet_flags, add_ray_flags, add_tracking_flag,
                                       finite_float, show_progress)
 from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
-from lora_opt.io import atomic_write_json
 from twin.routers import ADAPTER_MODES, ROUTERS
 from twin.scenario import ARRIVAL_PROCESSES, LENGTH_SOURCES, TRACE_MAPPINGS
 from twin.workload import TRACES
@@ -52,12 +51,11 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.placement.evaluate import (check_grace_below_window, evaluation_table, judge_placement,
-                                             with_evaluation, workload_from_placement)
+    from lora_opt.placement.evaluate import (JudgeOptions, check_grace_below_window, evaluation_table,
+                                             judge_and_record, with_evaluation, workload_from_placement)
     from lora_opt.placement.instances import FleetOptions
     from lora_opt.placement.plan import Placement, PlacementError
     from lora_opt.placement.workload_file import load_workload
-    from lora_opt.tracking import log_command_run
 
     if not Path(args.placement).exists():
         raise PlacementError(f"placement file not found: {args.placement}")
@@ -70,17 +68,11 @@ def run(args: argparse.Namespace) -> int:
     check_grace_below_window(grace_s, wl.evaluation.duration_s, "--grace-s:", "the replayed duration (--duration-s)",
                              note=" (the default)" if args.grace_s is None else "", error=InputError)
     scrape = {} if args.scrape_interval_s is None else {"scrape_interval_s": args.scrape_interval_s}
-    ev, code = judge_placement(p, wl, fleet=FleetOptions(args.router, args.adapters, **scrape), grace_s=grace_s,
-                               confidence=args.confidence, error_model=args.error_model, workers=args.workers,
-                               ray_address=args.ray_address, progress=show_progress(args))
-    if args.out:
-        atomic_write_json(args.out, ev, indent=1)
-    log_command_run("evaluate", f"{wl.name} ({p.policy})", params={"placement": args.placement, "workload": wl.name,
-                    "policy": p.policy, "arrivals": wl.evaluation.arrivals.process, "trace": wl.evaluation.arrivals.trace,
-                    "duration_s": wl.evaluation.duration_s, "grace_s": grace_s,
-                    **({"router": args.router, "adapters": args.adapters} if "router" in ev else {})}, metrics={k: v for k, v in ev.items()
-                    if k != "per_gpu"}, artifacts=[args.out, args.placement], profile=p.profile,
-                    seeds={"evaluation": wl.evaluation.seed}, tracking_uri=args.tracking_uri, track=not args.no_track)
+    options = JudgeOptions(fleet=FleetOptions(args.router, args.adapters, **scrape), grace_s=grace_s,
+                           confidence=args.confidence, error_model=args.error_model, workers=args.workers,
+                           ray_address=args.ray_address, progress=show_progress(args))
+    ev, code = judge_and_record(args.placement, p, wl, options, out=args.out, tracking_uri=args.tracking_uri,
+                                track=not args.no_track)
     if args.json:
         print(json.dumps(ev))
     else:

@@ -26,16 +26,12 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
     from lora_opt.calibration.fidelity import run_fidelity
-    from lora_opt.tracking import log_command_run
 
     cmd = ("lora-opt fidelity" + (f" --family {args.family}" if args.family else "") + f" --out {args.out}"
            + (f" --before {args.before}" if args.before else ""))
     summary = run_fidelity(args.runs, family=args.family, out_dir=args.out, workers=args.workers,
-                           ray_address=args.ray_address, command=cmd, before=args.before)
-    log_command_run("fidelity", args.family or "all", params={"runs": args.runs, "family": args.family, "command": cmd,
-                    "runs_per_model": summary["runs_per_model"]}, metrics={k: summary[k] for k in ("smape", "max_pack")},
-                    artifacts=[args.out], seeds="per run: sha256 of its source directory (realruns.run_seed)",
-                    wall_s=summary["wall_s"], tracking_uri=args.tracking_uri, track=not args.no_track)
+                           ray_address=args.ray_address, command=cmd, before=args.before,
+                           tracking_uri=args.tracking_uri, track=not args.no_track)
     o = summary["smape"]["report half"]
     if o["n_runs"]:
         print(f"{summary['n_runs']} runs in {summary['wall_s']:.0f} s; report half ({o['n_runs']} runs), SMAPE % "

@@ -46,17 +46,17 @@ def run(args: argparse.Namespace) -> int:
 
     from lora_opt.apply.executor import ApplyOptions
     from lora_opt.apply.operate import OperateConfig, operate
-    from lora_opt.cli.replan import policy_from_flags
+    from lora_opt.cli.replan import replan_options
     from lora_opt.placement.plan import Placement
-    from lora_opt.replan.replan import ReplanCosts
     from twin.profile import load_profile
 
     current = Placement.load(args.current)
-    policy = policy_from_flags(args, load_profile(current.profile))
+    options = replan_options(args)
+    policy = options.policy(load_profile(current.profile))
     cfg = OperateConfig(prometheus=args.prometheus, router=args.router, window=args.window,
                         interval_s=args.interval_s, reconcile_s=args.reconcile_s, cycles=args.cycles, host=args.host,
                         base_port=args.base_port,
-                        costs=ReplanCosts(args.move_cost, args.restart_cost),
+                        costs=options.costs,
                         apply=ApplyOptions(server_cmd=args.server_cmd, adapter_dir=args.adapter_dir,
                                            retries=args.retries, log_dir=Path(args.out) / "logs"))
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from lora_opt.cli.conventions import (NONNEGATIVE_S, POSITIVE_S, SEED, add_tracking_flag, finite_float, int_range,
                                       show_progress)
@@ -67,146 +65,15 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imports inside run: only the command that runs pays for them (start-up time)
-    from lora_opt.errors import InputError
-    from lora_opt.placement.evaluate import evaluation_table, with_evaluation, workload_from_placement
-    from lora_opt.placement.plan import Placement
-    from lora_opt.placement.workload_file import load_workload
-    from lora_opt.validate.live import resolve_endpoints
-    from lora_opt.validate.report import placement_hash, validate_placement
+    from lora_opt.validate.run import ValidateOptions, validate, validate_report
 
-    path = Path(args.placement)
-    if path.is_dir():
-        path = path / "placement.json"
-    if not path.is_file():
-        raise InputError(f"placement file not found: {args.placement}")
-    p = Placement.load(path)
-    wl = load_workload(args.workload) if args.workload else workload_from_placement(p)
-    if [a.id for a in wl.adapters] != [a.id for a in p.adapters]:
-        raise InputError("placement and workload list different adapters (ids or order); validate the placement "
-                         "with the workload it was made for")
-    if args.twin_only:
-        return _twin_only(args, p, wl)
-    requests = None
-    if args.history:
-        requests, span = _log_requests(wl, args.history, args.duration)
-        wl = with_evaluation(wl, duration_s=args.duration or span, seed=args.seed)
-    else:
-        wl = with_evaluation(wl, process=args.arrivals, trace=args.trace, mapping=args.mapping,
-                             time_scale=args.time_scale, start_s=args.start_s, lengths=args.lengths,
-                             duration_s=args.duration, seed=args.seed)
-    urls = resolve_endpoints(p, args.endpoints)
-    meta = {"placement": str(path), "placement_hash": placement_hash(path), "gpu": args.gpu,
-            "workload": wl.name, "requests_from": args.history or args.trace or wl.evaluation.arrivals.process}
-    if args.repeats:
-        return _repeats(args, p, wl, urls, meta, requests)
-    summary, status = validate_placement(p, wl, urls, args.out, speed=args.speed, scrape_s=args.scrape_s,
-                                         workers=args.workers, meta=meta, tracking_uri=args.tracking_uri,
-                                         track=not args.no_track, progress=show_progress(args),
-                                         requests=requests)
-    if args.json:
-        print(json.dumps({k: summary[k] for k in ("info", "comparison", "bench", "exit_status")}, default=str))
-        return status
-    b, c, info = summary["bench"], summary["comparison"], summary["info"]
-    adm = info["admission"]
-    print(f"validate {path} on {len(urls)} endpoint(s) ({', '.join(sorted(set(info['versions'].values())))})"
-          f": {info['requests']:,} requests, {b['completed']:,} ok, {b['failed']:,} failed, "
-          f"{b['unfinished']:,} unfinished at the window's end"
-          + (f", {b['not_sent']:,} not sent" if b["not_sent"] else ""))
-    if adm["clamped"] or adm["refused"]:
-        print(f"over max_model_len: {adm['clamped']:,} request(s) served with max_tokens clamped, {adm['refused']:,} "
-              "refused by the endpoints' rules (vLLM's; left out of the twin)")
-    print("real:")
-    print(evaluation_table(summary["real"]))
-    if summary["twin"] is None:
-        print(f"twin: could not run: {info['twin']['reason']}")
-        print(f"wrote {args.out}/ (real.json, bench.json, requests.csv, timeseries.csv, plots/; the twin's failure: "
-              "twin_error.json)")
-    else:
-        print("twin (same requests, as the endpoints admit them):")
-        print(evaluation_table(summary["twin"]))
-        print("SMAPE % per metric (over GPUs): " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_per_metric"].items()))
-        print("SMAPE % of the fleet: " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_fleet"].items()))
-        print(f"wrote {args.out}/ (real.json, twin.json, comparison.json, bench.json, requests.csv, timeseries.csv, "
-              "plots/)")
-    if summary["info"]["interrupted"]:
-        print("interrupted: the outputs hold what was measured until Ctrl-C")
-    return status
-
-
-def _repeats(args: argparse.Namespace, p, wl, urls: dict, meta: dict, requests) -> int:
-    """K replays of the same requests, then the twin judged against the server's own spread."""
-    import logging
-
-    from lora_opt.errors import EXIT_TWIN_FAILED
-    from lora_opt.io import atomic_write_json
-    from lora_opt.tracking import log_command_run
-    from lora_opt.validate.repeats import noise_lines, noise_table, wait_idle
-    from lora_opt.validate.report import validate_placement
-
-    out = Path(args.out)
-    comparisons, statuses = [], []
-    for k in range(1, args.repeats + 1):
-        if k > 1 and not wait_idle(urls):
-            logging.getLogger(__name__).warning("repeat %d: the endpoints still had requests after 600 s of waiting; "
-                                                "replaying anyway", k)
-        summary, status = validate_placement(p, wl, urls, out / f"repeat-{k}", speed=args.speed, scrape_s=args.scrape_s,
-                                             workers=args.workers, meta={**meta, "repeat": k}, tracking_uri=args.tracking_uri,
-                                             track=not args.no_track, progress=show_progress(args), requests=requests)
-        statuses.append(status)
-        if summary["comparison"] is not None:
-            comparisons.append(summary["comparison"])
-        b = summary["bench"]
-        print(f"repeat {k}/{args.repeats}: {b['completed']:,} ok, {b['failed']:,} failed -> {out}/repeat-{k}/")
-    if len(comparisons) < 2:
-        print(f"the twin ran in {len(comparisons)} of {args.repeats} repeats: no spread to judge it against")
-        return max(statuses + [EXIT_TWIN_FAILED])
-    table = noise_table(comparisons)
-    atomic_write_json(out / "noise.json", table, indent=1, default=float)
-    if args.json:
-        print(json.dumps({"noise": table, "exit_status": max(statuses)}, default=float))
-    else:
-        print(f"the server against itself ({len(comparisons)} repeats of the same requests) and the twin against the "
-              "real median, SMAPE % over the GPUs:")
-        print("\n".join(noise_lines(table)))
-        print(f"wrote {out}/noise.json")
-    log_command_run("validation", f"{wl.name} x{args.repeats}", params={"placement": meta["placement"],
-                    "repeats": args.repeats, "noise_factor": table["noise_factor"]},
-                    metrics={m: {k: v for k, v in e.items() if k != "within_noise"}
-                             for m, e in table["per_metric"].items()},
-                    artifacts=[str(out / "noise.json")], seeds={"evaluation": wl.evaluation.seed},
-                    tracking_uri=args.tracking_uri, track=not args.no_track)
-    return max(statuses)
-
-
-def _twin_only(args: argparse.Namespace, p, wl) -> int:
-    from lora_opt.errors import InputError
-    from lora_opt.validate.retwin import retwin
-
-    given = [f for f in ("arrivals", "trace", "history", "mapping", "time_scale", "start_s", "lengths", "duration",
-                         "seed") if getattr(args, f) is not None]
-    if given:
-        raise InputError(f"--twin-only takes the stored run's requests; drop --{given[0].replace('_', '-')}")
-    res = retwin(args.twin_only, p, wl, workers=args.workers)
-    c = res["comparison"]
-    if args.json:
-        print(json.dumps({"comparison": c}, default=str))
-        return 0
-    print(f"validate --twin-only {args.twin_only}: the twin again on the run's {res['info']['requests']:,} requests "
-          f"(profile {p.profile})")
-    print("SMAPE % per metric (over GPUs): " + ", ".join(f"{k} {v:.1f}" for k, v in c["smape_per_metric"].items()))
-    print(f"wrote {args.twin_only}/ (twin.json, comparison.json, twin_timeseries.csv, plots/)")
-    return 0
-
-
-def _log_requests(wl, path: str, duration: float | None):
-    """The request log's requests (those arriving before ``duration``) and its span."""
-    import dataclasses
-
-    import numpy as np
-
-    from lora_opt.placement.workload_file import load_request_log
-
-    _, req, span = load_request_log(wl, path)
-    keep = req.arrival < (duration or span)
-    return dataclasses.replace(req, **{f.name: np.ascontiguousarray(getattr(req, f.name)[keep])
-                                       for f in dataclasses.fields(req)}), span
+    options = ValidateOptions(placement=args.placement, endpoints=args.endpoints, twin_only=args.twin_only,
+                              workload=args.workload, arrivals=args.arrivals, trace=args.trace, history=args.history,
+                              mapping=args.mapping, time_scale=args.time_scale, start_s=args.start_s,
+                              lengths=args.lengths, duration=args.duration, seed=args.seed, speed=args.speed,
+                              scrape_s=args.scrape_s, repeats=args.repeats, out=args.out, gpu=args.gpu,
+                              workers=args.workers, track=not args.no_track, tracking_uri=args.tracking_uri,
+                              progress=show_progress(args), on_repeat=print)
+    done = validate(options)
+    print(validate_report(done, as_json=args.json))
+    return done.code

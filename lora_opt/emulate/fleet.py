@@ -30,7 +30,7 @@ RUNTIME_LORA_SLOTS = 32
 #: lengths the emulator draws EOS stops from when only flags are given
 DEFAULT_LENGTHS = "sharegpt"
 #: seconds an instance keeps an idle client connection open: vLLM's own (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); the
-#: router's pool lets its connections go well before (lora_opt.emulate.router.KEEPALIVE_EXPIRY_S), so it never
+#: router's pool lets its connections go well before (lora_opt.http_pool.KEEPALIVE_EXPIRY_S), so it never
 #: sends a request on a connection an instance is closing at that moment (issue 38: that race was a 502)
 INSTANCE_KEEPALIVE_S = 5
 #: seconds the router keeps an idle client connection open: a gateway's (nginx's default; Envoy keeps one an

@@ -39,6 +39,7 @@ from lora_opt.emulate.request_validation import APIError
 from lora_opt.emulate.router_health import EndpointHealth, check_forever, next_engine
 from lora_opt.emulate.router_metrics import RouterMetrics, usage_of
 from lora_opt.errors import InputError
+from lora_opt.http_pool import instance_limits
 from lora_opt.replan.router_config import HealthChecks
 from twin.engine_fleet import scrape
 from twin.fleet import SCRAPE_INTERVAL_S
@@ -51,10 +52,6 @@ FORWARDED_HEADERS = ("content-type", "authorization", "x-request-id", "x-lora-op
 CONNECT_TIMEOUT_S = 10.0
 #: seconds the router waits for each instance's /v1/models when it lists the fleet's models
 MODELS_TIMEOUT_S = 5.0
-#: seconds an idle pooled connection to an instance is kept: below the 5 s after which vLLM's server
-#: (uvicorn; VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes an idle connection, so the router never sends a request
-#: on a connection the instance is closing at that moment (that race lost a request: "ReadError")
-KEEPALIVE_EXPIRY_S = 2.0
 #: the generator stream (spawned from the router's seed) of requests no policy routes
 UNROUTED_STREAM = 99
 
@@ -383,7 +380,6 @@ def add_route_admin(app, table: RouteTable) -> None:
     whose routes cannot change while it runs) and ``POST /router/retire`` with ``{"endpoint": URL}``
     (:meth:`RouteTable.retire`: nothing more is sent to it; the adapters left without an instance)."""
     from fastapi import Request
-    from starlette.responses import JSONResponse
 
     @app.get("/router/routes")
     async def routes():
@@ -404,9 +400,7 @@ def add_route_admin(app, table: RouteTable) -> None:
             return call(body[key])
         except (ValueError, RecursionError) as exc:       # InputError is a ValueError
             status = 409 if isinstance(exc, InputError) and "cannot change" in str(exc) else 400
-            e = APIError(status, str(exc) if isinstance(exc, InputError) else "the body is not JSON",
-                         HTTPStatus(status).phrase)
-            return JSONResponse(e.body(), status_code=e.status)
+            return error_response(gateway_error(status, str(exc) if isinstance(exc, InputError) else "the body is not JSON"))
 
     @app.post("/router/retire")
     async def retire(request: Request):
@@ -459,48 +453,46 @@ async def health_checks_while_serving(app, *, table: RouteTable, client):
             await asyncio.gather(checking, return_exceptions=True)
 
 
-def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
-    """The router's app.  ``read_timeout_s``: longest wait for an instance's response headers and
-    between its stream's reads before a 504 (None: no limit -- an instance queues what it cannot
-    run yet, as vLLM does, and a long queue is not a dead instance)."""
-    # fastapi/httpx only where a router runs
-    import httpx
-    from fastapi import FastAPI, Request
-    from starlette.requests import ClientDisconnect
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+def error_response(e: APIError):
+    """The router's answer of an error: ``e``'s body (vLLM's shape) with its status."""
+    from starlette.responses import JSONResponse
+    return JSONResponse(e.body(), status_code=e.status)
 
-    client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S), trust_env=False,
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                                   keepalive_expiry=KEEPALIVE_EXPIRY_S))
-    app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=functools.partial(health_checks_while_serving, table=table, client=client))
-    metrics = RouterMetrics()
-    metrics.known(table.adapter_ids)
-    app.state.metrics = metrics
 
-    def error(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+class Forwarder:
+    """The router app's requests to its instances (``table``'s, over ``client``; counted in ``metrics``): the
+    completions / chat requests it forwards and its ``/v1/models``.  ``read_timeout_s``: :func:`build_router_app`'s."""
 
-    async def forward(request: Request, suffix: str):
+    def __init__(self, table: RouteTable, client, metrics: RouterMetrics, read_timeout_s: float | None):
+        self.table, self.client, self.metrics, self.read_timeout_s = table, client, metrics, read_timeout_s
+
+    async def forward(self, request, suffix: str):
+        """``request`` (a POST to ``/v1`` + ``suffix``) answered by an instance, or the router's error."""
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import Response, StreamingResponse
         try:
             raw = await request.body()
         except ClientDisconnect:                # gone before its body arrived: nothing to forward
             return Response(status_code=499)
         model = model_of(raw)
-        started = metrics.start(model)
-        resp = await route(request, suffix, raw, model, started)
+        started = self.metrics.start(model)
+        resp = await self.route(request, suffix, raw, model, started)
         if not isinstance(resp, StreamingResponse):         # a stream's relay ends its metrics
-            metrics.end(started, resp.status_code, usage_of(resp.body) if resp.status_code == 200 else None)
+            self.metrics.end(started, resp.status_code, usage_of(resp.body) if resp.status_code == 200 else None)
         return resp
 
-    async def route(request: Request, suffix: str, raw: bytes, model: str | None, started):
+    async def route(self, request, suffix: str, raw: bytes, model: str | None, started):
+        """``raw`` sent to ``model``'s next instance until one takes it (a refusing one ejected); its answer."""
+        import httpx
+        from starlette.responses import Response, StreamingResponse
+        table, client, metrics, read_timeout_s = self.table, self.client, self.metrics, self.read_timeout_s
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         tried, refused, give_up = [], None, time.monotonic() + table.health.checks.retry_for_s
         while True:
             try:
                 engine = await next_engine(table, request, model, tried, give_up)
             except APIError as e:
-                return error(refused or e)      # the last instance's own failure says more than "none left"
+                return error_response(refused or e)     # the last instance's own failure says more than "none left"
             endpoint = table.endpoints[engine]
             streaming = False
             try:
@@ -514,7 +506,7 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
                     tried.append(engine)
                     continue
                 except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:   # sent: never retried
-                    return error(upstream_error(exc, endpoint, read_timeout_s))
+                    return error_response(upstream_error(exc, endpoint, read_timeout_s))
                 finally:
                     table.connecting[engine] -= 1
                 if resp is None:
@@ -532,7 +524,7 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
                 try:                                # a JSON answer: whole, or a 502 when the instance fails mid-body
                     content = await resp.aread()
                 except (httpx.HTTPError, OSError) as exc:
-                    return error(upstream_error(exc, endpoint, read_timeout_s))
+                    return error_response(upstream_error(exc, endpoint, read_timeout_s))
                 finally:
                     await resp.aclose()
                 return Response(content, status_code=resp.status_code, media_type=media_type)
@@ -540,25 +532,47 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
                 if not streaming:
                     table.done(engine)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward(request, "/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await forward(request, "/chat/completions")
-
-    @app.get("/v1/models")
-    async def models():
+    async def models(self):
         """The fleet's models: every instance's cards, each id once (base models, then adapters, as
         vLLM lists them); an instance that does not answer is left out; none answering: 502."""
-        answers = await asyncio.gather(*(model_cards(client, e) for e in table.endpoints))
-        if table.endpoints and not any(a is not None for a in answers):
-            return error(gateway_error(502, f"no instance answered /v1/models ({', '.join(table.endpoints)})"))
+        endpoints = self.table.endpoints
+        answers = await asyncio.gather(*(model_cards(self.client, e) for e in endpoints))
+        if endpoints and not any(a is not None for a in answers):
+            return error_response(gateway_error(502, f"no instance answered /v1/models ({', '.join(endpoints)})"))
         cards: dict = {}
         for card in sorted((m for a in answers if a for m in a), key=lambda m: m.get("parent") is not None):
             cards.setdefault(card["id"], card)
         return {"object": "list", "data": list(cards.values())}
+
+
+def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
+    """The router's app.  ``read_timeout_s``: longest wait for an instance's response headers and
+    between its stream's reads before a 504 (None: no limit -- an instance queues what it cannot
+    run yet, as vLLM does, and a long queue is not a dead instance)."""
+    # fastapi/httpx only where a router runs
+    import httpx
+    from fastapi import FastAPI, Request
+    from starlette.responses import Response
+
+    client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S), trust_env=False,
+                               limits=instance_limits(max_connections=None, max_keepalive_connections=256))
+    app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=functools.partial(health_checks_while_serving, table=table, client=client))
+    app.state.metrics = metrics = RouterMetrics()
+    metrics.known(table.adapter_ids)
+    front = Forwarder(table, client, metrics, read_timeout_s)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await front.forward(request, "/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await front.forward(request, "/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        return await front.models()
 
     @app.get("/health")
     async def health():
@@ -575,7 +589,7 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     # the same way (its handler of HTTP errors catches FastAPI's HTTPException, not the router's)
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        return error(APIError(500, f"the router failed: {type(exc).__name__}", "InternalServerError"))
+        return error_response(APIError(500, f"the router failed: {type(exc).__name__}", "InternalServerError"))
 
     app.state.client = client
     return app

@@ -242,6 +242,52 @@ async def _generate(inst: Instance, request, chat: bool):
     return JSONResponse(fmt.full([(r.generated, r.finish_reason, e) for r, e in zip(subs, echoes)]))
 
 
+def _model_list(inst: Instance) -> dict:
+    """``/v1/models``: the base model's card, then each loaded adapter's, in vLLM's shape."""
+    created = int(time.time())
+
+    def card(mid, root, parent, max_model_len):
+        return {"id": mid, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                "parent": parent, "max_model_len": max_model_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
+                                "created": created, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+    data = [card(inst.model, inst.model_root or inst.model, None, inst.max_model_len)]
+    data += [card(a, inst.lora_roots.get(a, f"adapters/{a}"), inst.model, None) for a in inst.loaded]
+    return {"object": "list", "data": data}
+
+
+def _tokenizer_route(inst: Instance, parse):
+    """``/tokenize`` and ``/detokenize``: parse the body with ``parse``, vLLM's error on failure."""
+    from fastapi import Request
+
+    async def route(request: Request):
+        try:
+            return parse(await request.body(), request.headers.get("content-type", ""), inst.api,
+                         check_model=inst.adapter_of)
+        except (APIError, DetailError) as e:
+            return _error(inst, e)
+    return route
+
+
+def _emulator_stats(inst: Instance, reset: int) -> dict:
+    """``/emulator/stats``: the engine's report, with the mean lag and how late first tokens left
+    (``reset``: then start both over)."""
+    out = inst.engine.report()
+    lag = inst.engine.stats.lag_wall_s
+    out["lag_ms"]["mean"] = 1000.0 * sum(lag) / len(lag) if lag else 0.0
+    late = np.asarray(inst.first_token_late) * 1000.0
+    out["first_token_late_ms"] = {"mean": float(late.mean()) if late.size else 0.0,
+                                  "p50": float(np.percentile(late, 50)) if late.size else 0.0,
+                                  "p99": float(np.percentile(late, 99)) if late.size else 0.0, "count": int(late.size)}
+    if reset:
+        inst.engine.reset_lag()
+        inst.first_token_late.clear()
+    return out
+
+
 def build_app(inst: Instance):
     """The FastAPI app of one instance."""
     # fastapi only where an emulator runs (start-up of other commands)
@@ -268,32 +314,10 @@ def build_app(inst: Instance):
 
     @app.get("/v1/models")
     async def models():
-        created = int(time.time())
+        return _model_list(inst)
 
-        def card(mid, root, parent, max_model_len):
-            return {"id": mid, "object": "model", "created": created, "owned_by": "vllm", "root": root,
-                    "parent": parent, "max_model_len": max_model_len,
-                    "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
-                                    "created": created, "allow_create_engine": False, "allow_sampling": True,
-                                    "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                                    "allow_fine_tuning": False, "organization": "*", "group": None,
-                                    "is_blocking": False}]}
-        data = [card(inst.model, inst.model_root or inst.model, None, inst.max_model_len)]
-        data += [card(a, inst.lora_roots.get(a, f"adapters/{a}"), inst.model, None) for a in inst.loaded]
-        return {"object": "list", "data": data}
-
-    def tokenizer_route(parse):
-        """``/tokenize`` and ``/detokenize``: parse the body with ``parse``, vLLM's error on failure."""
-        async def route(request: Request):
-            try:
-                return parse(await request.body(), request.headers.get("content-type", ""), inst.api,
-                             check_model=inst.adapter_of)
-            except (APIError, DetailError) as e:
-                return _error(inst, e)
-        return route
-
-    app.post("/tokenize")(tokenizer_route(parse_tokenize))
-    app.post("/detokenize")(tokenizer_route(parse_detokenize))
+    app.post("/tokenize")(_tokenizer_route(inst, parse_tokenize))
+    app.post("/detokenize")(_tokenizer_route(inst, parse_detokenize))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -309,17 +333,7 @@ def build_app(inst: Instance):
 
     @app.get("/emulator/stats")
     async def stats(reset: int = 0):
-        out = inst.engine.report()
-        lag = inst.engine.stats.lag_wall_s
-        out["lag_ms"]["mean"] = 1000.0 * sum(lag) / len(lag) if lag else 0.0
-        late = np.asarray(inst.first_token_late) * 1000.0
-        out["first_token_late_ms"] = {"mean": float(late.mean()) if late.size else 0.0,
-                                      "p50": float(np.percentile(late, 50)) if late.size else 0.0,
-                                      "p99": float(np.percentile(late, 99)) if late.size else 0.0, "count": int(late.size)}
-        if reset:
-            inst.engine.reset_lag()
-            inst.first_token_late.clear()
-        return out
+        return _emulator_stats(inst, reset)
 
     @app.post("/emulator/shutdown")
     async def shutdown():

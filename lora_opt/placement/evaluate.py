@@ -16,11 +16,13 @@ from tqdm import tqdm
 
 import twin
 from lora_opt.errors import EXIT_NOT_ACCEPTABLE, EXIT_OK
+from lora_opt.io import atomic_write_json
 from lora_opt.parallel import run_batches
 from lora_opt.placement.confidence import annotate, at_confidence, resolve_bound
 from lora_opt.placement.instances import FleetOptions, gpu_result, gpu_scenario, replay_on_fleet, routing_seed
 from lora_opt.placement.plan import Placement, placement_problems
 from lora_opt.placement.workload_file import Workload, evaluation_scenario
+from lora_opt.tracking import log_command_run
 from twin.errors import ScenarioError
 from twin.flags import shared_flags
 from twin.parsing import check_finite
@@ -318,26 +320,66 @@ def served_ok(ev: dict) -> bool:
     return ev["gpus_starving"] == 0 and ev["gpus_failing_startup"] == 0 and ev["unrouted_requests"] == 0
 
 
-def judge_placement(p: Placement, wl: Workload, *, fleet: FleetOptions | None = None, grace_s: float = GRACE_S,
-                    confidence: float | None = None, error_model: str | None = None, workers: int | None = None,
-                    ray_address: str | None = None, progress: bool = False) -> tuple[dict, int]:
+@dataclass(frozen=True)
+class JudgeOptions:
+    """How ``judge_placement`` replays and judges a placement, besides the placement and the workload."""
+
+    fleet: FleetOptions = FleetOptions()
+    """The router and adapter mode the GPUs are served with (static / static: each GPU replayed alone)."""
+    grace_s: float = GRACE_S
+    """The starvation verdict ignores requests arriving this close to the end (s)."""
+    confidence: float | None = None
+    """Also judge each GPU at this confidence, in (0, 1) (None: not)."""
+    error_model: str | None = None
+    """Error model YAML for ``confidence`` (None: the profile's bundled one)."""
+    workers: int | None = None
+    """Parallel workers of the per-GPU replay (1: serial; None: serial while the work is too small to pay Ray's
+    start-up, else Ray on all cores; ``lora_opt.parallel.run_batches``)."""
+    ray_address: str | None = None
+    """An existing Ray cluster (None: RAY_ADDRESS or a local instance)."""
+    progress: bool = False
+    """A progress bar (stderr) over the per-GPU replay."""
+
+
+def judge_placement(p: Placement, wl: Workload, options: JudgeOptions = JudgeOptions()) -> tuple[dict, int]:
     """(the evaluation, its exit status): ``p`` replayed under ``wl``'s evaluation traffic -- each GPU alone
     (``evaluate_placement``, on Ray when it pays) for static routing of static adapters, else the GPUs as one
-    fleet behind ``fleet``'s router (``evaluate_on_fleet``) --; ``EXIT_OK`` when every GPU served its traffic
-    (``served_ok``), else ``EXIT_NOT_ACCEPTABLE``.  At a ``confidence`` (with ``error_model``, else the
-    profile's bundled one), each GPU is also judged at it (``ev["at_confidence"]``, the margins in ``p.meta``):
-    a GPU whose margin at C is below rho - 1 makes the placement not acceptable."""
-    fleet = fleet or FleetOptions()
-    if (fleet.router, fleet.adapters) == ("static", "static"):       # today's per-GPU replay (on Ray)
-        ev = evaluate_placement(p, wl, workers=workers, ray_address=ray_address, progress=progress, grace_s=grace_s)
+    fleet behind ``options.fleet``'s router (``evaluate_on_fleet``) --; ``EXIT_OK`` when every GPU served its
+    traffic (``served_ok``), else ``EXIT_NOT_ACCEPTABLE``.  At ``options.confidence`` (with its error model,
+    else the profile's bundled one), each GPU is also judged at it (``ev["at_confidence"]``, the margins in
+    ``p.meta``): a GPU whose margin at C is below rho - 1 makes the placement not acceptable."""
+    o = options
+    if (o.fleet.router, o.fleet.adapters) == ("static", "static"):       # today's per-GPU replay (on Ray)
+        ev = evaluate_placement(p, wl, workers=o.workers, ray_address=o.ray_address, progress=o.progress,
+                                grace_s=o.grace_s)
     else:
-        ev = evaluate_on_fleet(p, wl, fleet, grace_s=grace_s)
+        ev = evaluate_on_fleet(p, wl, o.fleet, grace_s=o.grace_s)
     code = EXIT_OK if served_ok(ev) else EXIT_NOT_ACCEPTABLE
-    if confidence is not None:
-        annotate(p, wl, resolve_bound(load_profile(p.profile), confidence, error_model))
+    if o.confidence is not None:
+        annotate(p, wl, resolve_bound(load_profile(p.profile), o.confidence, o.error_model))
         ev["at_confidence"] = at_confidence(p, wl.rho)
         if ev["at_confidence"]["gpus_below"]:
             code = EXIT_NOT_ACCEPTABLE
+    return ev, code
+
+
+def judge_and_record(placement_file: str, p: Placement, wl: Workload, options: JudgeOptions = JudgeOptions(), *,
+                     out: str | None = None, tracking_uri: str | None = None, track: bool = False) -> tuple[dict, int]:
+    """``lora-opt evaluate`` on a loaded placement (read from ``placement_file``) and workload:
+    ``judge_placement``, the evaluation written to ``out`` when given, and, when ``track``, the command's MLflow
+    run (experiment ``evaluate``: the evaluation's numbers, ``out`` and the placement as artifacts) in
+    ``tracking_uri``."""
+    ev, code = judge_placement(p, wl, options)
+    if out:
+        atomic_write_json(out, ev, indent=1)
+    fleet = {"router": options.fleet.router, "adapters": options.fleet.adapters} if "router" in ev else {}
+    log_command_run("evaluate", f"{wl.name} ({p.policy})", params={
+                    "placement": placement_file, "workload": wl.name, "policy": p.policy,
+                    "arrivals": wl.evaluation.arrivals.process, "trace": wl.evaluation.arrivals.trace,
+                    "duration_s": wl.evaluation.duration_s, "grace_s": options.grace_s, **fleet},
+                    metrics={k: v for k, v in ev.items() if k != "per_gpu"}, artifacts=[out, placement_file],
+                    profile=p.profile, seeds={"evaluation": wl.evaluation.seed}, tracking_uri=tracking_uri,
+                    track=track)
     return ev, code
 
 

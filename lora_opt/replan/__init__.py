@@ -7,6 +7,9 @@
 - ``schedule``: a day of workloads re-placed step by step against placing from scratch (``lora-opt schedule``).
 - ``router_config``: the router's configurations for a placement (gateway manifests, ``vllm-router``
   command) and the health-check settings (``HealthChecks``) the emulated router shares.
+- ``run``: ``lora-opt replan`` and ``lora-opt schedule`` as one call each (``replan_running``,
+  ``schedule_horizon``; ``ReplanOptions``, the settings they and ``operate`` share): inputs read, files
+  written, the text they print.
 
 A stage after ``placement`` (it moves placements; ``placement`` never imports it) and before
 ``emulate`` (whose router takes ``HealthChecks`` from here).

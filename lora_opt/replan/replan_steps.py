@@ -17,6 +17,21 @@ from lora_opt.placement.vllm_launch import adapter_path, instance_urls
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
 #: the source key of adapters new to the workload (no running instance has them)
 NEW = "(new adapters)"
+#: how a plan's states are judged and its endpoints chosen (``plan.json``'s ``notes``)
+TRANSITION_NOTES = (
+    "every state is judged with the placement policy's own GPU test (the twin at each instance's "
+    "routed load, margin 0: a state lasts minutes -- or, where that one Poisson draw fails, at the "
+    "policy's 1 + margin, the test the candidate's GPUs passed; its own flags; the workload's "
+    "criterion and the p99 TTFT bound), per instance: the fleet twin is not run on the states "
+    "(first version)",
+    "a state is ok when no instance starves except one the plan only relieved (its traffic a "
+    "subset of what it had before the first step: the new demand overloaded it, not the plan) or "
+    "one carrying part of its target traffic (within_target: the target passed the placement "
+    "test, and a part of it is less load -- the monotonicity the policy's own search assumes; "
+    "the twin's verdict on one draw near the boundary is not monotone)",
+    "adapters new to the workload get no traffic until their switch; new instances listen on "
+    "ports above the running ones (endpoints)",
+)
 
 
 def placement_order(instances) -> list:
@@ -109,16 +124,23 @@ def _group_order(groups: dict[str, list[int]], tr: _Transition, source_rank: dic
     return out
 
 
+def endpoints(current, start, launched, host: str, base_port: int) -> dict[str, str]:
+    """Each instance's URL: a running one's from ``current`` (a replanned placement's own, else
+    base_port + i), a launched one's on a port above every running instance's."""
+    urls = instance_urls(current, host=host, base_port=base_port)
+    url = {it.name: urls[it.origin] for it in start}
+    first_free = max([base_port + len(current.gpus) - 1, *(urlparse(u).port or 0 for u in urls)]) + 1
+    for k, it in enumerate(launched):
+        url[it.name] = f"http://{host}:{first_free + k}"
+    return url
+
+
 def transition_plan(current, start, retired, cand, wl, judge, *, host: str = "127.0.0.1",
                     base_port: int = 8000) -> dict:
     """The steps from ``start`` (the running instances under the new demand) to ``cand``, and the
     judged states (the first one: the running placement under the new demand, before any step)."""
-    urls = instance_urls(current, host=host, base_port=base_port)     # a replanned placement's own, else base_port + i
-    url = {it.name: urls[it.origin] for it in start}
-    first_free = max([base_port + len(current.gpus) - 1, *(urlparse(u).port or 0 for u in urls)]) + 1
     launched = [it for it in cand.instances if it.origin is None]
-    for k, it in enumerate(launched):              # ports above every running instance's
-        url[it.name] = f"http://{host}:{first_free + k}"
+    url = endpoints(current, start, launched, host, base_port)
     names = {it.name for it in cand.instances}
     kept = {it.name for it in cand.instances if it.origin is not None}
     tr = _Transition(start, cand, wl, judge)
@@ -181,16 +203,5 @@ def transition_plan(current, start, retired, cand, wl, judge, *, host: str = "12
                      + [{"instance": it.name, "current_gpu": None, "new_gpu": new_index[it.name],
                          "action": "restart" if it.replaces else "launch", "replaces": it.replaces}
                         for it in launched],
-        "notes": ["every state is judged with the placement policy's own GPU test (the twin at each instance's "
-                  "routed load, margin 0: a state lasts minutes -- or, where that one Poisson draw fails, at the "
-                  "policy's 1 + margin, the test the candidate's GPUs passed; its own flags; the workload's "
-                  "criterion and the p99 TTFT bound), per instance: the fleet twin is not run on the states "
-                  "(first version)",
-                  "a state is ok when no instance starves except one the plan only relieved (its traffic a "
-                  "subset of what it had before the first step: the new demand overloaded it, not the plan) or "
-                  "one carrying part of its target traffic (within_target: the target passed the placement "
-                  "test, and a part of it is less load -- the monotonicity the policy's own search assumes; "
-                  "the twin's verdict on one draw near the boundary is not monotone)",
-                  "adapters new to the workload get no traffic until their switch; new instances listen on "
-                  "ports above the running ones (endpoints)"],
+        "notes": list(TRANSITION_NOTES),
     }

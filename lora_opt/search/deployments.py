@@ -102,19 +102,22 @@ def hybrid_placement(wl: Workload, profile: Profile, tail: Placement, hot: list[
 
 
 def _starting_config(wl: Workload, profile: Profile, ranks: list[int], n: int, amax: int):
-    """``gpu_config`` with the largest A_max <= ``amax`` that starts: a hot adapter of a larger rank raises
-    ``--max-lora-rank``, and the slots the tail's A_max fitted at its own rank may no longer fit."""
+    """``gpu_config`` with the largest A_max <= ``amax`` that starts -- the config the start-up check passed,
+    not made again (A_max 1 when none does): a hot adapter of a larger rank raises ``--max-lora-rank``, and
+    the slots the tail's A_max fitted at its own rank may no longer fit."""
     cfg = gpu_config(wl, profile, ranks, n, amax)
     if cfg.startup_check(profile)[0] or amax <= 1:
         return cfg
     lo, hi = 1, amax                  # lo: starts (or the floor), hi: does not
+    started = None                    # lo's config once one started (mid > 1: the floor is never checked)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if gpu_config(wl, profile, ranks, n, mid).startup_check(profile)[0]:
-            lo = mid
+        cfg = gpu_config(wl, profile, ranks, n, mid)
+        if cfg.startup_check(profile)[0]:
+            lo, started = mid, cfg
         else:
             hi = mid
-    return gpu_config(wl, profile, ranks, n, lo)
+    return started if started is not None else gpu_config(wl, profile, ranks, n, 1)
 
 
 def study_suffix(deployment: str, router: str, adapters: str) -> str:

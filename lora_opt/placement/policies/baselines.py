@@ -164,67 +164,9 @@ class LoRAServe(PlacementPolicy):
         S = max(gpus, math.ceil(total - 1e-9)) if total > 0 else gpus
         target = max(total / S, 1e-12)
         notes = [] if S <= gpus else [f"demand is {total:.2f} servers at the per-rank operating points"]
-        # integer servers per rank
-        n = {r: int(round(d[r] / target)) for r in cap}
-        while sum(n.values()) > S:
-            r = min((r for r in n if n[r] > 0), key=lambda r: d[r] / n[r])
-            n[r] -= 1
-        while sum(n.values()) < S:
-            r = max(n, key=lambda r: d[r] / n[r] if n[r] else math.inf)
-            n[r] += 1
-        servers: list[dict] = []            # {"rank": r, "used": util, "share": {adapter: util}}
-        leftovers: list[tuple[int, float]] = []
-        for r in sorted(cap, reverse=True):
-            mine = [len(servers) + i for i in range(n[r])]
-            servers += [{"rank": r, "used": 0.0, "share": {}} for _ in range(n[r])]
-            idx = [int(i) for i in np.flatnonzero(ranks == r)]
-            idx.sort(key=lambda i: -tps[i])
-            si = 0
-            for i in idx:
-                left = util[i]
-                while left > 1e-15 and si < len(mine):
-                    srv = servers[mine[si]]
-                    room = target - srv["used"]
-                    if room <= 1e-12:
-                        si += 1
-                        continue
-                    put = min(left, room)
-                    srv["share"][i] = srv["share"].get(i, 0.0) + put
-                    srv["used"] += put
-                    left -= put
-                if left > 1e-15 or (util[i] == 0 and not mine):
-                    leftovers.append((i, left))
-                elif util[i] == 0:
-                    servers[mine[min(si, len(mine) - 1)]]["share"].setdefault(i, 0.0)
-        rr = 0
-        for i, left in sorted(leftovers, key=lambda x: -x[1]):
-            if left < 1e-3:                   # tiny leftovers: round-robin
-                servers[rr % S]["share"][i] = servers[rr % S]["share"].get(i, 0.0) + left
-                servers[rr % S]["used"] += left
-                rr += 1
-                continue
-            tiers = ([s for s in servers if s["rank"] >= ranks[i] and s["used"] < target],
-                     [s for s in servers if s["used"] < target], [s for s in servers if s["used"] < 1.0])
-            for tier, limit in zip(tiers, (target, target, 1.0)):
-                for srv in tier:
-                    if left <= 1e-15:
-                        break
-                    put = min(left, limit - srv["used"])
-                    if put > 0:
-                        srv["share"][i] = srv["share"].get(i, 0.0) + put
-                        srv["used"] += put
-                        left -= put
-            if left > 1e-15:                   # over capacity everywhere: the least loaded server
-                srv = min(servers, key=lambda s: s["used"])
-                srv["share"][i] = srv["share"].get(i, 0.0) + left
-                srv["used"] += left
-        out = []
-        for srv in servers:
-            items = []
-            for i, u in srv["share"].items():
-                w = u / util[i] if util[i] > 0 else 1.0
-                items.append((i, w))
-            out.append(GPUAssignment(items, len(items)))
+        servers, leftovers = fill_by_rank(servers_per_rank(d, S, target), ranks, tps, util, target)
+        place_leftovers(servers, leftovers, ranks, target)
+        out = [GPUAssignment(items, len(items)) for items in routing_weights(servers, util)]
         _fix_weights(out, len(wl.adapters))
         if self.capped:
             startable = StartableCap(wl, ctx.profile)
@@ -241,6 +183,95 @@ class LoRAServeCapped(LoRAServe):
     name = "loraserve-capped"
     summary = "LoRAServe's placement and routing, A_max capped to the largest that starts (operator variant)"
     capped = True
+
+
+def servers_per_rank(demand: dict, n_servers: int, target: float) -> dict:
+    """LoRAServe's integer servers per rank: each rank's ``demand`` (in servers at full utilisation)
+    over the ``target`` utilisation, rounded, then adjusted one server at a time until they sum to
+    ``n_servers`` (taken from the rank with the least demand per server, given to the one with the most)."""
+    n = {r: int(round(demand[r] / target)) for r in demand}
+    while sum(n.values()) > n_servers:
+        r = min((r for r in n if n[r] > 0), key=lambda r: demand[r] / n[r])
+        n[r] -= 1
+    while sum(n.values()) < n_servers:
+        r = max(n, key=lambda r: demand[r] / n[r] if n[r] else math.inf)
+        n[r] += 1
+    return n
+
+
+def give(srv: dict, i: int, amount: float) -> None:
+    """Put ``amount`` of adapter ``i``'s utilisation on server ``srv``."""
+    srv["share"][i] = srv["share"].get(i, 0.0) + amount
+    srv["used"] += amount
+
+
+def fill_by_rank(n: dict, ranks, tps, util, target: float) -> tuple[list[dict], list[tuple[int, float]]]:
+    """LoRAServe's servers ({"rank": r, "used": util, "share": {adapter: util}}), ``n[r]`` per rank
+    from the highest rank down, each rank's adapters filled onto its own servers in descending
+    demand (``tps``) up to the ``target`` utilisation, an adapter split across servers where it
+    overflows one.  Also returns the leftovers: (adapter, utilisation its rank's servers had no room
+    for), and the zero-demand adapters of a rank without servers."""
+    servers: list[dict] = []
+    leftovers: list[tuple[int, float]] = []
+    for r in sorted(n, reverse=True):
+        mine = [len(servers) + i for i in range(n[r])]
+        servers += [{"rank": r, "used": 0.0, "share": {}} for _ in range(n[r])]
+        idx = [int(i) for i in np.flatnonzero(ranks == r)]
+        idx.sort(key=lambda i: -tps[i])
+        si = 0
+        for i in idx:
+            left = util[i]
+            while left > 1e-15 and si < len(mine):
+                srv = servers[mine[si]]
+                room = target - srv["used"]
+                if room <= 1e-12:
+                    si += 1
+                    continue
+                put = min(left, room)
+                give(srv, i, put)
+                left -= put
+            if left > 1e-15 or (util[i] == 0 and not mine):
+                leftovers.append((i, left))
+            elif util[i] == 0:
+                servers[mine[min(si, len(mine) - 1)]]["share"].setdefault(i, 0.0)
+    return servers, leftovers
+
+
+def place_leftovers(servers: list[dict], leftovers: list[tuple[int, float]], ranks, target: float) -> None:
+    """LoRAServe's leftovers, largest first: tiny ones round-robin over the servers; the others onto
+    servers with spare capacity -- of sufficient rank below ``target``, then any below ``target``,
+    then any below full -- and what still does not fit onto the least loaded server."""
+    rr = 0
+    for i, left in sorted(leftovers, key=lambda x: -x[1]):
+        if left < 1e-3:                   # tiny leftovers: round-robin
+            give(servers[rr % len(servers)], i, left)
+            rr += 1
+            continue
+        tiers = ([s for s in servers if s["rank"] >= ranks[i] and s["used"] < target],
+                 [s for s in servers if s["used"] < target], [s for s in servers if s["used"] < 1.0])
+        for tier, limit in zip(tiers, (target, target, 1.0)):
+            for srv in tier:
+                if left <= 1e-15:
+                    break
+                put = min(left, limit - srv["used"])
+                if put > 0:
+                    give(srv, i, put)
+                    left -= put
+        if left > 1e-15:                   # over capacity everywhere: the least loaded server
+            give(min(servers, key=lambda s: s["used"]), i, left)
+
+
+def routing_weights(servers: list[dict], util) -> list[list[tuple[int, float]]]:
+    """Per server: (adapter, share of the adapter's utilisation it carries) -- its routing weight
+    before normalisation (1 for a zero-demand adapter)."""
+    out = []
+    for srv in servers:
+        items = []
+        for i, u in srv["share"].items():
+            w = u / util[i] if util[i] > 0 else 1.0
+            items.append((i, w))
+        out.append(items)
+    return out
 
 
 def _fix_weights(gpus: list[GPUAssignment], n_adapters: int) -> None:
