@@ -110,7 +110,8 @@ def start_vllm_router(binary: str, p: Placement, policy: str, base: int, log: Pa
     raise SystemExit(f"vllm-router did not become ready (log: {log})")
 
 
-async def replay(router: str, wl, p: Placement, speed: float, duration_s: float, tokenizer: str | None = None):
+async def replay(router: str, wl, p: Placement, speed: float, duration_s: float, tokenizer: str | None = None,
+                 session_header: str | None = None):
     req = workload_requests(wl, min(g.max_model_len for g in p.gpus))
     keep = req.arrival < duration_s
     req = type(req)(req.arrival[keep], req.adapter[keep], req.in_len[keep], req.out_len[keep])
@@ -118,7 +119,7 @@ async def replay(router: str, wl, p: Placement, speed: float, duration_s: float,
     target = np.zeros(len(req), np.int64)
     prompts = await server_prompt_tokens((tokenizer or router) + "/v1")
     records = await replay_routed([router + "/v1"], req, target, models, speed, end_s=duration_s + TAIL_S,
-                                  prompts=prompts)
+                                  prompts=prompts, session_header=session_header)
     return req, request_rows(records, req, target, [router + "/v1"], models, speed)
 
 
@@ -195,9 +196,13 @@ def main() -> None:
     try:
         if real_router:         # vllm-router where it applies: the command place writes, in front of the fleet
             front, router = start_vllm_router(binary, p, judged["router"], base, out / "router.log")
-            served_by = f"vllm-router {VLLM_ROUTER_VERSION} --policy {VLLM_ROUTER_POLICIES[judged['router']]}"
+            served_by = f"vllm-router {VLLM_ROUTER_VERSION} --policy {VLLM_ROUTER_POLICIES[judged['router']]}" + (
+                " (clients send X-Session-ID = the adapter)" if judged["router"] == "consistent-hash" else "")
         req, rows = asyncio.run(replay(router, load_workload(str(wl_path)), p, args.speed, args.duration_s,
-                                       tokenizer=f"http://127.0.0.1:{base}" if real_router else None))
+                                       tokenizer=f"http://127.0.0.1:{base}" if real_router else None,
+                                       # what the emitted vllm-router.sh asks of clients (CONSISTENT_HASH_NOTE)
+                                       session_header="X-Session-ID" if real_router and judged["router"] == "consistent-hash"
+                                       else None))
     finally:
         for pr in (front, proc):
             if pr is None:

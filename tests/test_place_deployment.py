@@ -79,6 +79,8 @@ def test_place_recommends_and_writes_the_chosen_deployment(tmp_path, capsys):
             assert "kind: InferencePool" in text and "-kvCacheUsagePercentageMetric vllm:kv_cache_usage_perc" in text
         else:
             assert f"--policy {router.replace('-', '_')}" in (tmp_path / "out" / "router" / "vllm-router.sh").read_text()
+            # vllm-router's consistent_hash keys on X-Session-ID: the clients are told to send the adapter there
+            assert ("X-Session-ID" in out) == (router == "consistent-hash")
     else:
         assert not pools.exists()
     assert _place(tmp_path, "--deployment", "every-gpu", "--json") == 0

@@ -355,14 +355,16 @@ async def server_prompt_tokens(url: str, timeout: float = 10.0) -> PromptTokens:
 
 async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, models: list[str], speed: float, *,
                         end_s: float, stop: asyncio.Event | None = None, on_start=None,
-                        prompts: PromptTokens | None = None, admit=None) -> list[Record]:
+                        prompts: PromptTokens | None = None, admit=None,
+                        session_header: str | None = None) -> list[Record]:
     """Send request k to ``urls[target[k]]`` (model ``models[adapter]``; ``target`` -1: not sent,
     recorded as failed) at ``arrival / speed`` wall seconds from the start, streaming with the usage
     chunk; at ``end_s / speed`` (or when ``stop`` is set) requests still in flight are cancelled
     and recorded with ``error = "unfinished"``.  ``on_start(t0)``: called once with the start;
     ``prompts``: the servers' token ids (default: :func:`prompt_ids`'s range); ``admit(k)``, asked
     at send time: None sends request k, a string keeps it back (recorded with that string as its
-    error, never sent: e.g. its adapter is not served by anyone yet)."""
+    error, never sent: e.g. its adapter is not served by anyone yet); ``session_header``: also send the
+    adapter id in this header (as :func:`replay`)."""
     ends = [split_url(u) for u in urls]
     records = [Record(0.0, int(i), int(o), due=float(a) / speed)
                for a, i, o in zip(req.arrival, req.in_len, req.out_len)]
@@ -389,8 +391,10 @@ async def replay_routed(urls: list[str], req: Requests, target: np.ndarray, mode
             continue
         host, port, root = ends[g]
         prompt = (prompts or PromptTokens()).prompt(k, records[k].in_len)
-        tasks[k] = asyncio.ensure_future(stream_one(host, port, root + "/v1/completions", models[int(req.adapter[k])],
-                                                    records[k], t0, prompt, True))
+        model = models[int(req.adapter[k])]
+        extra = f"{session_header}: {model}\r\n" if session_header else ""
+        tasks[k] = asyncio.ensure_future(stream_one(host, port, root + "/v1/completions", model,
+                                                    records[k], t0, prompt, True, extra_headers=extra))
     pending = [t for t in tasks.values() if not t.done()]
     if pending and not stop.is_set():
         left = t0 + end_s / speed - time.perf_counter()

@@ -312,7 +312,9 @@ def router_note(best: Candidate, emit_router: str | None) -> str:
     where = (f"{file} has {name}'s configuration" if emit_router == wanted else
              f"--emit-router {emit_router} was asked for instead of {wanted}" if emit_router else
              f"--emit-vllm also writes {name}'s configuration")
-    return (f"{best.deployment} was judged behind the {best.fleet.router} router{on_use}: route with it ({where}); "
+    header = ("; clients must send the adapter id as X-Session-ID (vllm-router's consistent_hash key; without it "
+              "every request goes to a random worker)" if best.fleet.router == "consistent-hash" else "")
+    return (f"{best.deployment} was judged behind the {best.fleet.router} router{on_use}: route with it ({where}){header}; "
             "router.json's fixed weights are not what was judged")
 
 
