@@ -42,9 +42,11 @@ from lora_opt.calibration.model_table import FIT_HALF, MODELS  # FIT_HALF: also 
 from lora_opt.calibration.profile_io import header_of, write_profile
 from lora_opt.calibration.replay import replay_with_profile, select_runs
 from lora_opt.calibration.runs_csv import load_runs
+from lora_opt.errors import InputError
 from lora_opt.smape import smape
 from twin.errors import ScenarioError
 from twin.parsing import parse_yaml_text, read_config_file, read_text_file
+from twin.paths import FROM_WHEEL
 from twin.profile import profile_from_dict
 
 log = logging.getLogger(__name__)
@@ -243,3 +245,30 @@ def write_fitted_profile(path: Path, header: str, prof: dict, record: dict) -> b
     prof = dict(prof)
     prof["fit"] = {**(prof.get("fit") or {}), "e2e": record}
     return write_profile(path, header, prof)
+
+
+def fit_models(model: str | None, runs_csv=realruns.REAL_RUNS_CSV, workers: int | None = None,
+               on_fit=None) -> list[dict]:
+    """``lora-opt calibrate-e2e``: :func:`fit_model` for ``model``, or for every bundled model with fit-half runs
+    in ``runs_csv`` (a model without any is skipped with a warning; named, it is an error).  ``on_fit(model,
+    record)`` is called as each model is fitted (the command prints a line each)."""
+    if FROM_WHEEL:    # it rewrites the bundled profiles: they are the checkout's files, not site-packages'
+        raise InputError("calibrate-e2e rewrites the bundled profiles (configs/profiles/): run it in a checkout "
+                         "installed with pip install -e .")
+    models = [model] if model else sorted(FIT_HALF)
+    records = []
+    for m in models:
+        if m not in FIT_HALF:
+            raise InputError(f"--model {m!r}: allowed values: {', '.join(sorted(FIT_HALF))}")
+        log.info(f"{m}: replaying its fit-half runs on the twin once per candidate (a line each)")
+        try:
+            rec = fit_model(m, runs_csv, workers=workers)
+        except NoFitRuns as exc:
+            if model:
+                raise
+            log.warning(f"{exc}: skipped")      # every model: those with runs in this CSV
+            continue
+        records.append(rec)
+        if on_fit is not None:
+            on_fit(m, rec)
+    return records

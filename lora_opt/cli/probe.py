@@ -65,15 +65,9 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, ranks=tuple(args.ranks))
     opts = ProbeOptions(plan=plan, model=args.model, speed=args.speed, out=Path(args.out), server_cmd=args.server_cmd,
                         adapter_path=args.adapter_path, max_lora_rank=args.max_lora_rank,
-                        max_num_batched_tokens=args.max_num_batched_tokens, health_timeout_s=args.health_timeout)
+                        max_num_batched_tokens=args.max_num_batched_tokens, health_timeout_s=args.health_timeout,
+                        vllm_version=args.vllm_version)
     launch = read_launch(args.launch, args.gpu_index) if args.launch else None
-    if args.vllm_version is not None:
-        from lora_opt.errors import InputError
-        from lora_opt.placement.vllm_launch import resolve_vllm_version
-        release = resolve_vllm_version(args.vllm_version, error=InputError)
-        if launch is not None and not args.server_cmd:
-            from lora_opt.probe.run import check_launch_commands
-            check_launch_commands(launch, plan, args.adapter_path, release)
     s = probe(opts, launch=launch, endpoint=args.endpoint, track=not args.no_track, tracking_uri=args.tracking_uri)
     fams = ", ".join(f"{k} {v['ok']} ok" + (f" / {v['failed']} failed" if v["failed"] else "")
                      + (f" / {v['noisy']} noisy" if v.get("noisy") else "") for k, v in s["families"].items())

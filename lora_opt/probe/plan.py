@@ -336,6 +336,9 @@ class ProbeOptions:
     max_num_batched_tokens: int | None = None
     health_timeout_s: float = 900.0
     progress: bool = True
+    #: the vLLM release the launched server is (``--vllm-version``): its parser's refusals checked on the plan's
+    #: commands before any server starts (not with ``server_cmd``, which replaces ``vllm serve``)
+    vllm_version: str | None = None
 
 
 def progress_bar(total: int, enabled: bool, desc: str):

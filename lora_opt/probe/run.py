@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lora_opt.errors import InputError
 from lora_opt.io import atomic_write_json, atomic_write_text
-from lora_opt.placement.vllm_launch import release_of, validate_serve_args
+from lora_opt.placement.vllm_launch import release_of, resolve_vllm_version, validate_serve_args
 from lora_opt.probe.launch import LORA_OPTIONS, LaunchedServer, ServeCommand
 from lora_opt.probe.plan import (Plan, ProbeContext, ProbeOptions, decode_family, lora_family, lora_prefill_family,
                                  loading_family, plan_points, prefill_family, progress_bar, server_info)
@@ -218,6 +218,10 @@ def log_probe_run(summary: dict, out: Path, tracking_uri: str | None) -> str:
 def probe(opts: ProbeOptions, *, launch: ServeCommand | None = None, endpoint: str | None = None,
           track: bool = True, tracking_uri: str | None = None) -> dict:
     """Run the plan (``launch`` or ``endpoint``), write the outputs, log the MLflow run."""
+    if opts.vllm_version is not None:
+        release = resolve_vllm_version(opts.vllm_version, error=InputError)
+        if launch is not None and not opts.server_cmd:
+            check_launch_commands(launch, opts.plan, opts.adapter_path, release)
     t0 = time.perf_counter()
     if launch is not None:
         rows, info = probe_launched(launch, opts)
