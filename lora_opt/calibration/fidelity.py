@@ -122,9 +122,10 @@ def smape_table(df, variants: list[str]) -> dict:
     return out
 
 
-def max_pack_table(df, variant: str):
+def max_pack_table(df, variant: str, twin_rho: float = RHO):
     """Per workload (family, A_max): the served-adapter count with the highest throughput among
-    non-starving runs (rho = 0.9), real vs twin."""
+    non-starving runs (rho = 0.9), real vs twin; ``twin_rho``: the twin's own bar (experiments/
+    max_pack_threshold.py moves it to ask whether a uniform correction of its served fraction would do)."""
     import pandas as pd  # heavy optional dependency: only when tables are built
 
     rows = []
@@ -132,7 +133,7 @@ def max_pack_table(df, variant: str):
         if g["n_served_adapters"].nunique() < 2:
             continue
         real_ok = g[g["real_throughput"] >= RHO * g["real_incoming"]]
-        twin_ok = g[(g[f"{variant}_status"] == "ok") & (g[f"{variant}_throughput"] >= RHO * g[f"{variant}_incoming"])]
+        twin_ok = g[(g[f"{variant}_status"] == "ok") & (g[f"{variant}_throughput"] >= twin_rho * g[f"{variant}_incoming"])]
         real_n = int(real_ok.loc[real_ok["real_throughput"].idxmax(), "n_served_adapters"]) if len(real_ok) else None
         twin_n = (int(twin_ok.loc[twin_ok[f"{variant}_throughput"].idxmax(), "n_served_adapters"])
                   if len(twin_ok) else None)
