@@ -1,4 +1,4 @@
-"""HTTP clients that talk to vLLM instances: one keep-alive rule for every pooled client.
+"""HTTP clients that talk to vLLM instances: one keep-alive rule for every pooled client (:func:`instance_client`).
 
 vLLM's API server (uvicorn; ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes a connection idle for 5 s.  A pool
 that keeps idle connections as long (httpx's default, 5 s) can send a request on a connection at the
@@ -20,3 +20,12 @@ def instance_limits(max_connections: int | None = 100, max_keepalive_connections
 
     return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive_connections,
                         keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
+def instance_client(*, timeout=5.0, max_connections: int | None = 100, max_keepalive_connections: int = 20):
+    """An ``httpx.AsyncClient`` for vLLM instances: :func:`instance_limits`' pool, never a proxy from the
+    environment (``trust_env=False``), ``timeout`` httpx's default unless given."""
+    import httpx  # only where instances are talked to: keeps the CLI's start-up light
+
+    return httpx.AsyncClient(timeout=timeout, trust_env=False,
+                             limits=instance_limits(max_connections, max_keepalive_connections))

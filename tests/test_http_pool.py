@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from lora_opt.http_pool import KEEPALIVE_EXPIRY_S, instance_limits
+from lora_opt.http_pool import KEEPALIVE_EXPIRY_S, instance_client, instance_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 #: modules whose httpx clients talk to instances repeatedly (a pool that outlives one request)
@@ -36,15 +36,21 @@ def test_every_instance_client_uses_the_pool_rule():
     for entry in INSTANCE_CLIENTS:
         p = ROOT / entry
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
-    seen, bypass = 0, []
+    made, bypass = 0, []
     for path in files:
-        for call in _client_calls(path):
-            seen += 1
-            limits = next((k.value for k in call.keywords if k.arg == "limits"), None)
-            uses_rule = limits is not None and any(isinstance(n, ast.Name) and n.id == "instance_limits"
-                                                   or isinstance(n, ast.Attribute) and n.attr == "instance_limits"
-                                                   for n in ast.walk(limits))
-            if not uses_rule:
-                bypass.append(f"{path.relative_to(ROOT)}:{call.lineno}")
-    assert seen >= 5, "the scan found too few clients: did the modules move?"
-    assert not bypass, f"httpx clients to instances without lora_opt.http_pool.instance_limits(): {bypass}"
+        tree = ast.parse(path.read_text())
+        made += sum(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "instance_client"
+                    for n in ast.walk(tree))
+        bypass += [f"{path.relative_to(ROOT)}:{call.lineno}" for call in _client_calls(path)]
+    assert made >= 5, "the scan found too few clients: did the modules move?"
+    assert not bypass, f"httpx clients to instances not made by lora_opt.http_pool.instance_client(): {bypass}"
+
+
+def test_the_instance_client_keeps_the_pool_rule_and_no_proxy():
+    import asyncio
+
+    async def make():
+        async with instance_client() as client:
+            pool = client._transport._pool          # httpx keeps the limits on its connection pool
+            return pool._keepalive_expiry, client._trust_env
+    assert asyncio.run(make()) == (KEEPALIVE_EXPIRY_S, False)

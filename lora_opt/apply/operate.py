@@ -33,7 +33,7 @@ from lora_opt.apply.executor import ApplyOptions
 from lora_opt.apply.reconcile import desired, differences, observe, reconcile
 from lora_opt.apply.run import apply_plan
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_OK, InputError
-from lora_opt.http_pool import instance_limits
+from lora_opt.http_pool import instance_client
 from lora_opt.io import atomic_write_json, atomic_write_rows
 from lora_opt.placement.evaluate import workload_from_placement
 from lora_opt.placement.plan import Placement
@@ -176,10 +176,8 @@ class Operator:
 
     def differences(self) -> str:
         """What differs now between the fleet and the running placement ('' : nothing)."""
-        import httpx  # only when operating
-
         async def look():
-            async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
+            async with instance_client() as client:
                 urls = set(desired(self.current, host=self.cfg.host, base_port=self.cfg.base_port)) | set(self.known)
                 return await observe(client, urls, self.cfg.router)
         return "; ".join(differences(self.current, asyncio.run(look()), host=self.cfg.host,

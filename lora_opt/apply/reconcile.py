@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from lora_opt.apply.executor import ApplyOptions, PlanExecutor, route_shares
 from lora_opt.errors import InputError
-from lora_opt.http_pool import instance_limits
+from lora_opt.http_pool import instance_client
 from lora_opt.placement.plan import Placement
 from lora_opt.replan.replan_steps import load_request, unload_request
 from lora_opt.placement.vllm_launch import instance_urls, router_table
@@ -156,11 +156,9 @@ class Reconciled:
 
 async def reconcile(p: Placement, *, opts: ApplyOptions, host: str, base_port: int, known=()) -> Reconciled:
     """Observe, repair what differs, observe again.  ``known``: other addresses instances may run on."""
-    import httpx  # only when operating
-
     router = opts.router
     urls = set(desired(p, host=host, base_port=base_port)) | {u.rstrip("/") for u in known}
-    async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
+    async with instance_client() as client:
         obs = await observe(client, urls, router)
         before = differences(p, obs, host=host, base_port=base_port, router=router)
         if not before:

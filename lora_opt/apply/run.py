@@ -18,7 +18,7 @@ from pathlib import Path
 from lora_opt.apply.executor import SUCCESS, ApplyOptions, PlanExecutor
 from lora_opt.apply.transition import WINDOWS, TrafficOptions, measure
 from lora_opt.errors import EXIT_INTERRUPTED, EXIT_NOT_ACCEPTABLE, EXIT_OK, InputError
-from lora_opt.http_pool import instance_limits
+from lora_opt.http_pool import instance_client
 from lora_opt.io import atomic_write_figure, atomic_write_json, atomic_write_rows, atomic_write_text
 from lora_opt.placement.plan import Placement
 from lora_opt.replan.replan_steps import step_counts
@@ -137,21 +137,17 @@ def apply_plan(plan_path: str | Path, *, opts: ApplyOptions, out: str | Path, wo
 def fleet_diff(plan_path: str | Path, router: str | None) -> list[dict]:
     """``apply --dry-run``: each step of the plan read against the fleet as it is (to do, in effect, DEAD);
     nothing is acted on."""
-    import httpx  # only when a fleet is read
-
     plan, placement, _ = read_plan(plan_path)
     ex = PlanExecutor(plan, placement, ApplyOptions(router=router))
 
     async def read():
-        async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
+        async with instance_client() as client:
             return await ex.diff(client)
     return asyncio.run(read())
 
 
 async def _steps_only(ex: PlanExecutor, on_step=_log_step) -> dict:
-    import httpx  # only when applying
-
-    async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
+    async with instance_client() as client:
         await ex.preflight(client)
         steps = await ex.run(client, on_step=on_step)
     ok = all(s.status in SUCCESS for s in steps)

@@ -21,7 +21,7 @@ import numpy as np
 from lora_opt.apply.executor import SUCCESS, PlanExecutor
 from lora_opt.emulate.client import replay_routed, server_prompt_tokens
 from lora_opt.errors import InputError
-from lora_opt.http_pool import instance_limits
+from lora_opt.http_pool import instance_client
 from lora_opt.placement.evaluate import workload_requests
 from lora_opt.validate.measure import request_rows
 from twin.workload import Requests
@@ -101,8 +101,6 @@ async def measure(ex: PlanExecutor, wl, router_url: str, traffic: TrafficOptions
     """Replay ``wl``'s traffic through ``router_url`` and run the plan after ``start_after_s``;
     returns {rows, steps, windows, verdict, info}.  The executor's launched servers are left
     running (the caller stops them: :meth:`PlanExecutor.close`)."""
-    import httpx  # only when applying: keeps the CLI's start-up light
-
     T = traffic.duration_s or wl.evaluation.duration_s
     if not 0 < traffic.start_after_s < T:
         raise InputError(f"--start-after-s: must be in (0, {T:g}) (the traffic's duration), got {traffic.start_after_s:g}")
@@ -111,7 +109,7 @@ async def measure(ex: PlanExecutor, wl, router_url: str, traffic: TrafficOptions
     req = _cut(req, T)
     models = [a.id for a in wl.adapters]
     target = np.zeros(len(req), np.int64)
-    async with httpx.AsyncClient(trust_env=False, limits=instance_limits()) as client:
+    async with instance_client() as client:
         await ex.preflight(client)
         running = ex.running_urls()
         prompts = await server_prompt_tokens(running[0]) if running else None

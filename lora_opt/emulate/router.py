@@ -39,7 +39,7 @@ from lora_opt.emulate.request_validation import APIError
 from lora_opt.emulate.router_health import EndpointHealth, check_forever, next_engine
 from lora_opt.emulate.router_metrics import RouterMetrics, usage_of
 from lora_opt.errors import InputError
-from lora_opt.http_pool import instance_limits
+from lora_opt.http_pool import instance_client
 from lora_opt.replan.router_config import HealthChecks
 from twin.engine_fleet import scrape
 from twin.fleet import SCRAPE_INTERVAL_S
@@ -554,8 +554,8 @@ def build_router_app(table: RouteTable, *, read_timeout_s: float | None = None):
     from fastapi import FastAPI, Request
     from starlette.responses import Response
 
-    client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S), trust_env=False,
-                               limits=instance_limits(max_connections=None, max_keepalive_connections=256))
+    client = instance_client(timeout=httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S), max_connections=None,
+                             max_keepalive_connections=256)
     app = FastAPI(title="lora-opt router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=functools.partial(health_checks_while_serving, table=table, client=client))
     app.state.metrics = metrics = RouterMetrics()
