@@ -21,10 +21,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from lora_opt.emulate.client import replay, summarise
 from lora_opt.emulate.fleet import free_ports
+from lora_opt.emulate.launch import loop_factory
+from lora_opt.emulate.wall_timer import WallTimer
 from lora_opt.io import atomic_write_json
 from twin.scenario import scenario_from_dict
 from twin.simulate import simulate
@@ -171,6 +174,34 @@ def consistency(speed: float, scenario: dict = CONSISTENCY_SCENARIO) -> dict:
             "errors": got.errors}
 
 
+async def _wake_up_errors(n: int, wall_timer: bool) -> list[float]:
+    """Error (ms, + late) of ``n`` wake-ups set 1-20 ms ahead at fractions of a millisecond spread evenly:
+    the loop's own timer (``call_at``) or the engine's (:class:`~lora_opt.emulate.wall_timer.WallTimer`)."""
+    loop = asyncio.get_running_loop()
+    timer = WallTimer(loop) if wall_timer else None
+    errors = []
+    for k in range(n):
+        ahead = 0.001 + (k * 0.6180339887498949 % 1.0) * 0.019
+        when, woke = time.perf_counter() + ahead, loop.create_future()
+        if timer is not None:
+            timer.set(when, lambda f=woke: f.set_result(time.perf_counter()))
+        else:
+            loop.call_at(loop.time() + ahead, lambda f=woke: f.set_result(time.perf_counter()))
+        errors.append((await woke - when) * 1000.0)
+    if timer is not None:
+        timer.close()
+    return errors
+
+
+def wake_up_errors(n: int = 400) -> dict[str, list[float]]:
+    """:func:`_wake_up_errors` on the emulator's own event loop, both timers."""
+    out = {}
+    for name, wall in (("loop call_at", False), ("wall timer", True)):
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            out[name] = runner.run(_wake_up_errors(n, wall))
+    return out
+
+
 def _cpu_s(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -213,6 +244,7 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
             os.sched_setaffinity(0, set(cpus))
             _stop(proc)
     cons = [consistency(s) for s in (10.0, 1.0)]
+    wake = wake_up_errors()
     st = cap["stats"]
     rows = [("start-up (launch -> /health), s", f"{min(startup):.2f} best, {max(startup):.2f} worst", "<= 3"),
             ("concurrent streams (mean / min)", f"{cap['streams_mean']:.0f} / {cap['streams_min']}", ">= 500"),
@@ -221,6 +253,9 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
              " / ".join(f"{st['lag_ms'][k]:.1f}" for k in ("p50", "p90", "p99", "max")), "real time"),
             ("engine clock behind wall at end, s", f"{st['sim_now_s'] - st['engine_clock_s']:.3f}", "~0"),
             ("server CPU (of one core)", f"{cpu_share:.0%}", "< 100%"),
+            *[(f"wake-up error, {name}: p5 / p50 / p95, ms",
+               " / ".join(f"{v:+.2f}" for v in np.percentile(errs, [5, 50, 95])), "p95 - p5 < 0.5")
+              for name, errs in wake.items()],
             ("machine load average (1 min)", f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", "")]
     lines: list[str] = []          # the report: lora-opt bench prints it
     lines.append(f"lora-opt emulate, speed 1, {concurrency} closed-loop streams of 100+300 tokens, {duration_s:.0f} s "
@@ -238,5 +273,7 @@ def bench_emulate(out: str | None = None, concurrency: int = 600, duration_s: fl
         lines.append(f"{c['speed']:6g} {cells[0]:>28s} {cells[1]:>26s} {cells[2]:>24s}")
     if out:
         atomic_write_json(out, {"startup_s": startup, "capacity": cap, "cpu_share": cpu_share, "consistency": cons,
+                                "wake_up_error_ms_p5_p50_p95": {k: [float(np.percentile(v, q)) for q in (5, 50, 95)]
+                                                                for k, v in wake.items()},
                                 "concurrency": concurrency, "duration_s": duration_s}, indent=2)
     return lines

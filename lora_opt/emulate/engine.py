@@ -17,8 +17,10 @@ Front-end delay.  The twin's TTFT adds the profile's front-end terms (``ttft_fro
 streaming).  The emulator delays every token of a request by that request's term, so TTFT matches
 the twin's and inter-token gaps are the engine's steps.
 
-Everything runs on one asyncio loop (callbacks scheduled with ``call_at``, no thread): handlers
-append requests and abort them between steps, never during one.
+Everything runs on one asyncio loop: handlers append requests and abort them between steps, never
+during one.  The engine's wake-ups (a step's end, tokens due) come from one sleeping thread
+(:class:`lora_opt.emulate.wall_timer.WallTimer`: the loop's own timers wake on whole milliseconds,
+a bias in latency differences); the callbacks run on the loop.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ from twin.profile import Profile
 from twin.scenario import AdapterGroup, EngineConfig, Scenario
 from twin.simulate import engine_state
 from twin.workload import Requests, draw_lengths
+
+from lora_opt.emulate.wall_timer import WallTimer
 
 #: simulated seconds an emulator's kernel state is built for (its session can last that long)
 SESSION_S = 1e9
@@ -136,7 +140,8 @@ class OnlineEngine:
         self._idle = True
         self._pending_aborts: list[int] = []
         self._last_arrival = 0.0
-        self._timer = None
+        self._timer = None                  # a call_soon handle: a wake-up already due
+        self._wall_timer: WallTimer | None = None
         self._loop = None
         self.t0 = time.perf_counter()
 
@@ -144,14 +149,11 @@ class OnlineEngine:
     def start(self) -> None:
         """Start the clock (simulated 0 = now) on the running loop."""
         self._loop = asyncio.get_running_loop()
+        self._wall_timer = WallTimer(self._loop)
         self.t0 = time.perf_counter()
 
     def sim_now(self) -> float:
         return (time.perf_counter() - self.t0) * self.speed
-
-    def wall_at(self, t_sim: float) -> float:
-        """The loop time (``loop.time()``) at which the simulated clock reads ``t_sim``."""
-        return self._loop.time() + (self.t0 + t_sim / self.speed - time.perf_counter())
 
     # ---- requests --------------------------------------------------------------------------
     def draw_output_len(self, max_tokens: int) -> int:
@@ -194,12 +196,14 @@ class OnlineEngine:
     def _reschedule(self, due_sim: float | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        if due_sim is None:
             self._timer = None
+        if due_sim is None:
+            self._wall_timer.cancel()
         elif due_sim <= self.sim_now():
+            self._wall_timer.cancel()
             self._timer = self._loop.call_soon(self._tick)
         else:
-            self._timer = self._loop.call_at(self.wall_at(due_sim), self._tick)
+            self._wall_timer.set(self.t0 + due_sim / self.speed, self._tick)
 
     def _tick(self) -> None:
         self._timer = None
@@ -317,6 +321,8 @@ class OnlineEngine:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._wall_timer is not None:
+            self._wall_timer.close()
         for q in list(self.requests.values()):
             q.aborted = True
             q.event.set()

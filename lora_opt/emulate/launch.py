@@ -194,14 +194,18 @@ def _serve_fleet(options: EmulateOptions, ready: Callable[[list[str]], None] | N
         if ready is not None:
             ready(lines)
 
+    log_level = options.log_level or ("info" if options.verbose else "warning")
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve(instances, log_level=log_level, ready=listening, router=router))
+
+
+def loop_factory():
+    """The emulator's event loop: vLLM's (uvloop) when installed, else asyncio's default (None)."""
     try:                                # vLLM's loop (uvloop) and HTTP parser (httptools) when installed
         import uvloop
-        factory = uvloop.new_event_loop
+        return uvloop.new_event_loop
     except ImportError:
-        factory = None
-    log_level = options.log_level or ("info" if options.verbose else "warning")
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(instances, log_level=log_level, ready=listening, router=router))
+        return None
 
 
 def _serve_router_alone(options: EmulateOptions, ready: Callable[[list[str]], None] | None) -> None:

@@ -171,11 +171,11 @@ def _prepare(workload, gpus: int, request: SearchRequest):
 
 def search(workload: Workload | str | Path, gpus: int, request: SearchRequest = SearchRequest(),
            options: SearchOptions = SearchOptions(), *, tracking_uri: str | None = None,
-           track: bool = True) -> SearchRun:
+           track: bool = False) -> SearchRun:
     """Run (or resume) the studies of ``request`` for ``workload`` (a Workload, a file or a bundled name)
     on a pool of ``gpus``; write ``front.json``, each front point's ``placement-<g>gpus-trial<n>.json`` and
-    each study's plots under ``request.out`` (one folder per study when there are several); log one MLflow
-    run.  ``options.storage`` None: ``$OPTUNA_STORAGE``, else ``sqlite:///<out>/study.db``; ``options.study_name``
+    each study's plots under ``request.out`` (one folder per study when there are several); with ``track``,
+    log one MLflow run (a library caller logs nothing unless it asks, as calibrate / evaluate do).  ``options.storage`` None: ``$OPTUNA_STORAGE``, else ``sqlite:///<out>/study.db``; ``options.study_name``
     names the first study, the others get their default names."""
     backend = check_backend(request.backend)
     storage = resolve_storage(options.storage)
