@@ -48,16 +48,16 @@ class WallTimer:
 
     def cancel(self) -> None:
         with self._cv:
-            self._generation += 1
-            self._when = self._fn = None
-            self._cv.notify()
+            self._generation += 1           # even with nothing pending: one may wait on the loop already
+            if self._when is not None:      # the thread sleeps to a deadline: wake it to drop that
+                self._when = self._fn = None
+                self._cv.notify()
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            self._generation += 1
-            self._when = self._fn = None
             self._cv.notify()
+        self.cancel()
 
     @property
     def alive(self) -> bool:
